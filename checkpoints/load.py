@@ -1,0 +1,234 @@
+"""Load a GPT from a checkpoint directory, a safetensors file, a shipped name or a Hugging Face hub id."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from checkpoints.errors import CheckpointError
+from checkpoints.hf_config import read_config
+from checkpoints.safetensors_io import FILE_DTYPES, file_shape, iter_tensors, model_key, read_header
+from model import GPT, GPTConfig
+
+SHIPPED_DIR = Path(__file__).parent
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """Turn ``None`` (float32), a dtype name (``"bfloat16"``, ``"bf16"``...) or a torch dtype into a dtype.
+
+    Raises:
+        ValueError: for a dtype the model cannot run in.
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def shipped_names() -> list[str]:
+    """Names of the checkpoints that ship inside the package (loadable by name)."""
+    return sorted(p.parent.name for p in SHIPPED_DIR.glob(f"*/{'config.json'}"))
+
+
+# A hub id is "name" or "owner/name"; anything else that does not exist is a missing local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _is_hub_id(source: str) -> bool:
+    return _HUB_ID.fullmatch(source) is not None and not source.endswith((".safetensors", ".json"))
+
+
+def _shipped_list() -> str:
+    return "shipped: " + (", ".join(shipped_names()) or "none")
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise CheckpointError(
+            f"{repo_id!r} is not an existing path or a shipped checkpoint ({_shipped_list()}); to fetch "
+            "it as a Hugging Face hub id install the hf extra (pip install 'gptgen[hf]'), "
+            "or pass a local directory"
+        ) from e
+    try:
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=["config.json", SINGLE_FILE, INDEX_FILE, "model-*.safetensors"]
+            )
+        )
+    except Exception as e:  # the hub raises many types (network, auth, offline cache miss): report them all
+        raise CheckpointError(
+            f"{repo_id!r} is not an existing path or a shipped checkpoint ({_shipped_list()}), and the "
+            f"Hugging Face hub and its local cache do not have it ({type(e).__name__}); download it where "
+            "the hub is reachable and pass its local directory instead"
+        ) from e
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    if single.exists() and index.exists():
+        raise CheckpointError(
+            f"{directory} holds both {SINGLE_FILE} and {INDEX_FILE}; remove the one that is stale"
+        )
+    if single.exists():
+        return [single]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
+        files = [directory / n for n in names]
+        for f in files:  # a shard must be a plain file name inside this directory, never a path elsewhere
+            if not isinstance(f.name, str) or f.parent != directory or not f.name.endswith(".safetensors"):
+                raise CheckpointError(
+                    f"{index} names shard {f.name!r}, which is not a .safetensors file here"
+                )
+            if not f.is_file():
+                raise CheckpointError(f"{index} names shard {f.name}, which is missing from {directory}")
+        return files
+    hint = (
+        " (pytorch_model.bin is pickle, which gptgen never loads: convert it to safetensors)"
+        if (directory / "pytorch_model.bin").exists()
+        else ""
+    )
+    raise CheckpointError(f"{directory} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> tuple[GPTConfig, list[Path]]:
+    path = Path(source).expanduser()
+    if not path.exists():
+        name = str(source)
+        if (SHIPPED_DIR / name / "config.json").is_file() and "/" not in name:
+            path = SHIPPED_DIR / name
+        elif _is_hub_id(name):
+            path = _from_hub(name)
+        else:
+            raise CheckpointError(f"checkpoint path {name} does not exist")
+    if path.is_dir():
+        cfg = read_config(path / "config.json") if config is None else _config(config)
+        return cfg, _directory_files(path)
+    if path.name.endswith(".safetensors"):
+        if config is None:
+            if not (path.parent / "config.json").is_file():
+                raise CheckpointError(
+                    f"{path} has no config.json beside it; pass config= (a GPTConfig or a preset name)"
+                )
+            return read_config(path.parent / "config.json"), [path]
+        return _config(config), [path]
+    raise CheckpointError(f"{path} is neither a checkpoint directory nor a .safetensors file")
+
+
+def _config(config: GPTConfig | str) -> GPTConfig:
+    if isinstance(config, GPTConfig):
+        return config
+    if Path(config).name == "config.json":
+        return read_config(Path(config))
+    try:
+        return GPTConfig.from_preset(config)
+    except ValueError as e:
+        raise CheckpointError(f"config={config!r}: {e}, or give a path to a config.json") from e
+
+
+def _plan(model: GPT, files: list[Path]) -> dict[Path, dict[str, str]]:
+    """Check every file's keys, shapes and dtypes against the model before reading any weights."""
+    expected = dict(model.named_parameters())
+    plan: dict[Path, dict[str, str]] = {}
+    found: set[str] = set()
+    unexpected: list[str] = []
+    for path in files:
+        plan[path] = {}
+        for file_key, info in read_header(path).items():
+            name = model_key(file_key)
+            if name is None:
+                continue
+            if name not in expected:
+                unexpected.append(file_key)
+                continue
+            if info.get("dtype") not in FILE_DTYPES:
+                raise CheckpointError(
+                    f"{path}: tensor {file_key} has dtype {info.get('dtype')!r}; "
+                    f"supported weight dtypes are {', '.join(FILE_DTYPES)}"
+                )
+            want = file_shape(name, tuple(expected[name].shape))
+            if tuple(info.get("shape", ())) != want:
+                raise CheckpointError(
+                    f"{path}: tensor {file_key} has shape {tuple(info.get('shape', ()))} but the config "
+                    f"implies {want}; the config.json does not describe these weights"
+                )
+            plan[path][file_key] = name
+            found.add(name)
+    if unexpected:
+        raise CheckpointError(
+            f"{files[0].parent}: unexpected keys {sorted(unexpected)[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}; is this a GPT-2 checkpoint?"
+        )
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise CheckpointError(
+            f"{files[0].parent}: missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} in all); the checkpoint is incomplete"
+        )
+    return plan
+
+
+def load(
+    source: str | os.PathLike[str],
+    *,
+    config: GPTConfig | str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> GPT:
+    """Load a GPT-2-family checkpoint and return the model in eval mode.
+
+    Args:
+        source: a directory with ``config.json`` and ``model.safetensors`` (or a sharded
+            ``model.safetensors.index.json``); a single ``.safetensors`` file (with a ``config.json`` beside
+            it, or ``config=``); the name of a shipped checkpoint; or a Hugging Face hub id such as
+            ``openai-community/gpt2`` (needs ``huggingface_hub`` and the hub or its local cache).
+        config: a :class:`GPTConfig`, a preset name or a ``config.json`` path, overriding the directory's.
+        device: where to put the model (default CPU).
+        dtype: ``float32`` (default), ``bfloat16`` or ``float16``, as a torch dtype or a name.
+
+    Returns:
+        The model, in eval mode, on ``device`` in ``dtype``.
+
+    Raises:
+        CheckpointError: (a ``ValueError``) if the checkpoint is missing, unreadable, not safetensors,
+            truncated, or does not match its config; the message names the file, key or shape.
+        ValueError: for an unsupported ``dtype``.
+
+    Example:
+        >>> model = load("shakespeare", dtype="bfloat16")  # doctest: +SKIP
+    """
+    dtype = resolve_dtype(dtype)
+    cfg, files = _resolve(source, config)
+    with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
+        model = GPT(cfg)
+    plan = _plan(model, files)
+    model = model.to(dtype=dtype).to_empty(device=device or "cpu")
+    model.reset_buffers()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for path, names in plan.items():
+            for name, tensor in iter_tensors(path, names):  # one tensor in memory at a time
+                params[name].copy_(tensor)
+    return model.eval()

@@ -1,0 +1,111 @@
+"""Safetensors files in the Hugging Face GPT-2 layout: header checks, key mapping, reading and writing.
+
+Weights are only ever read through safetensors (never ``torch.load``/pickle), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from checkpoints.errors import CheckpointError
+
+# Safetensors dtype codes a checkpoint may store its weights in.
+FILE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# GPT-2 checkpoints store these four matrices as Conv1D weights, (in, out): nn.Linear wants (out, in).
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Buffers that older GPT-2 checkpoints carry (the causal mask and its fill value): rebuilt, never read.
+LEGACY_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+PREFIX = "transformer."
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """Validate a safetensors file's header against its size and return ``{name: {dtype, shape, ...}}``.
+
+    Raises:
+        CheckpointError: if the file is unreadable, too short, not safetensors, or truncated.
+    """
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path} is {size} bytes, too short to be a safetensors file")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"{path} is not a complete safetensors file: its header claims {header_len} bytes but "
+                    f"the file has only {size - 8} after the length field (truncated, or another format)"
+                )
+            if header_len > _MAX_HEADER:
+                raise CheckpointError(f"{path}: header of {header_len} bytes is implausibly large")
+            raw = f.read(header_len)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError) as e:
+            raise CheckpointError(f"{path}: header entry {name!r} has no valid data_offsets") from e
+    if 8 + header_len + end > size:
+        raise CheckpointError(
+            f"{path} is truncated: its tensors need {8 + header_len + end} bytes but the file has {size}"
+        )
+    return header
+
+
+def model_key(file_key: str) -> str | None:
+    """Map a checkpoint key to our parameter name; None for keys that are not read (legacy buffers, head)."""
+    key = file_key.removeprefix(PREFIX)
+    if key.endswith(LEGACY_BUFFER_SUFFIXES) or key == "lm_head.weight":
+        return None  # the head is tied to wte, as GPT-2 ties it
+    return key
+
+
+def file_shape(model_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a parameter of ours has in a GPT-2 checkpoint (Conv1D weights are transposed)."""
+    return tuple(reversed(shape)) if model_name.endswith(CONV1D_SUFFIXES) else tuple(shape)
+
+
+def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(model_name, tensor)`` for the file keys in ``names`` ({file_key: model_name}), one at a time.
+
+    Conv1D weights come back as transposed views; the caller copies them into place.
+    """
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for file_key, name in names.items():
+                tensor = f.get_tensor(file_key)
+                yield name, tensor.t() if name.endswith(CONV1D_SUFFIXES) else tensor
+    except SafetensorError as e:
+        raise CheckpointError(f"cannot read {path} as safetensors: {e}") from e
+
+
+def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``{our_name: tensor}`` in the Hugging Face GPT-2 layout, atomically (temp file, then rename)."""
+    tensors = {
+        PREFIX + name: (t.t() if name.endswith(CONV1D_SUFFIXES) else t).contiguous()
+        for name, t in state.items()
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

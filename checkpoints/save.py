@@ -1,0 +1,48 @@
+"""Save a GPT in the Hugging Face GPT-2 layout (``config.json`` + ``model.safetensors``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from checkpoints.hf_config import config_to_dict
+from checkpoints.load import SINGLE_FILE, resolve_dtype
+from checkpoints.safetensors_io import write_safetensors
+from model import GPT
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> Path:
+    """Write ``model`` to ``directory`` so that both :func:`checkpoints.load` and
+    ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` read it.
+
+    Each file is written to a temporary name and renamed into place, so an interrupted save never leaves a
+    half-written file under the final name.
+
+    Args:
+        model: the model to save.
+        directory: created if needed; an existing ``config.json`` / ``model.safetensors`` is replaced.
+        dtype: the dtype to store the weights in (default: the model's own), e.g. ``"bfloat16"`` to halve
+            the file.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ValueError: for an unsupported ``dtype``.
+    """
+    directory = Path(directory)
+    store = resolve_dtype(dtype) if dtype is not None else model.wte.weight.dtype
+    resolve_dtype(store)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: p.detach().to(device="cpu", dtype=store) for name, p in model.named_parameters()}
+    write_safetensors(state, directory / SINGLE_FILE)
+    config = json.dumps(config_to_dict(model.config, dtype=_DTYPE_NAMES[store]), indent=2) + "\n"
+    tmp = directory / f".config.json.tmp-{os.getpid()}"
+    tmp.write_text(config, encoding="utf-8")
+    os.replace(tmp, directory / "config.json")
+    return directory
