@@ -31,7 +31,7 @@ def _download(work_dir: Path) -> Path:
 
 
 def read_works(work_dir: Path) -> dict[str, str]:
-    """Return ``{file name: text}`` for the 42 modern-spelling works (First Folio copies and Milton skipped)."""
+    """Return ``{file name: text}`` of the 42 modern-spelling works (no First Folio copies, no Milton)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     works = {}
     with tarfile.open(_download(work_dir)) as tar:

@@ -50,6 +50,19 @@ class KVCache:
         """The key and value buffers of one layer, each (B, n_head, max_len, head_dim)."""
         return self.k[index], self.v[index]
 
+    def drop_front(self, n: int) -> None:
+        """Discard the first ``n`` cached positions, moving the rest to the front (frees room at the end).
+
+        Used when every row still generating has at least ``n`` leading padding positions, which carry no
+        information: dropping them lets shorter rows of a left-padded batch use the whole window.
+        """
+        if not 0 <= n <= self.length:
+            raise ValueError(f"can drop 0..{self.length} cached positions, not {n}")
+        keep = self.length - n
+        self.k[:, :, :, :keep] = self.k[:, :, :, n : self.length].clone()  # ranges overlap: copy first
+        self.v[:, :, :, :keep] = self.v[:, :, :, n : self.length].clone()
+        self.length = keep
+
     def reset(self) -> None:
         """Forget the cached positions (the buffers are reused, not cleared)."""
         self.length = 0

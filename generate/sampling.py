@@ -1,0 +1,136 @@
+"""Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen from the logits.
+
+    Processing order: repetition penalty, presence and frequency penalties, temperature, top-k, top-p, min-p.
+
+    Attributes:
+        temperature: 0 for greedy (argmax); otherwise logits are divided by it before sampling.
+        top_k: keep the ``top_k`` most likely tokens; 0 keeps all.
+        top_p: keep the smallest set of most likely tokens whose probability sum reaches ``top_p``.
+        min_p: drop tokens less likely than ``min_p`` times the most likely token's probability.
+        repetition_penalty: for tokens already in the prompt or output, positive logits are divided by it
+            and negative ones multiplied (CTRL / Hugging Face); 1 disables.
+        presence_penalty: subtracted once from the logit of every token the output already contains.
+        frequency_penalty: subtracted from a token's logit once per time the output contains it.
+
+    Raises:
+        ValueError: on construction, for any value out of range; the message names it and the valid range.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, valid: str) -> None:
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or not ok
+            ):
+                raise ValueError(f"{name}={value!r} is out of range; {name} must be {valid}")
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            return value if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+
+        check("temperature", number("temperature") >= 0, ">= 0 (0 means greedy)")
+        check("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 disables it)")
+        check("top_p", 0 < number("top_p") <= 1, "in (0, 1] (1 disables it)")
+        check("min_p", 0 <= number("min_p") < 1, "in [0, 1) (0 disables it)")
+        check("repetition_penalty", number("repetition_penalty") > 0, "> 0 (1 disables it)")
+        check("presence_penalty", -2 <= number("presence_penalty") <= 2, "in [-2, 2] (0 disables it)")
+        check("frequency_penalty", -2 <= number("frequency_penalty") <= 2, "in [-2, 2] (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the choice is the argmax."""
+        return self.temperature == 0
+
+
+def apply_penalties(
+    logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """Apply the repetition, presence and frequency penalties.
+
+    Args:
+        logits: (B, V) float logits.
+        seen: (B, V) bool, tokens in the prompt or the output so far (for the repetition penalty).
+        counts: (B, V) output-token counts (for the presence and frequency penalties).
+        params: the sampling parameters.
+
+    Returns:
+        The penalised logits (a new tensor when a penalty is active, else ``logits`` itself).
+    """
+    if params.repetition_penalty != 1.0:
+        penalised = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
+        logits = torch.where(seen, penalised, logits)
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype)
+    if params.frequency_penalty != 0.0:
+        logits = logits - params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Divide by the temperature and set the logits of tokens top-k, top-p and min-p exclude to ``-inf``.
+
+    Args:
+        logits: (B, V) float logits (after penalties); ``params.temperature`` must be > 0.
+        params: the sampling parameters.
+
+    Returns:
+        (B, V) logits; at least the most likely token of each row stays finite.
+    """
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first token is always kept.
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+    """Pick one token per row: argmax when greedy, else a draw from each row's own generator.
+
+    A row's draw uses only its own generator, so a seeded row picks the same tokens alone or in a batch.
+
+    Args:
+        logits: (B, V) processed logits (penalties applied; temperature and filters not yet).
+        params: the sampling parameters.
+        generators: one ``torch.Generator`` per row (unused when greedy).
+
+    Returns:
+        (B,) int64 token ids.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])

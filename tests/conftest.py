@@ -1,0 +1,39 @@
+"""Shared tiny configurations for the test suite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+# Small but varied shapes: odd head counts, short windows, a non-default MLP width and activation.
+TINY_CONFIGS = {
+    "2x2x32": GPTConfig(vocab_size=211, n_positions=64, n_embd=32, n_layer=2, n_head=2),
+    "5x3x48": GPTConfig(vocab_size=97, n_positions=40, n_embd=48, n_layer=5, n_head=3),
+    "1x1x16-relu": GPTConfig(
+        vocab_size=50, n_positions=48, n_embd=16, n_layer=1, n_head=1, n_inner=24, activation_function="relu"
+    ),
+}
+
+
+def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:
+    """A randomly initialised model in eval mode. A larger ``std`` gives clear argmax margins."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    if std != 0.02:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 or "ln" not in name:
+                    p.normal_(0.0, std)
+    return model.eval()
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS), ids=sorted(TINY_CONFIGS))
+def tiny_config(request: pytest.FixtureRequest) -> GPTConfig:
+    """Each tiny configuration in turn."""
+    return TINY_CONFIGS[request.param]
+
+
+# The models here are tiny: one thread is faster than two, and it leaves the other core to a parallel job.
+torch.set_num_threads(1)

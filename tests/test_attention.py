@@ -1,0 +1,121 @@
+"""CausalAttention: the seeds' worked example, mask slicing, KV offsets and padding."""
+
+import pytest
+import torch
+from torch import nn
+
+from model import CausalAttention
+
+# "Your journey starts with one step", 3-d embeddings, as in the seeds' worked example.
+INPUTS = torch.tensor(
+    [[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
+     [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]]
+)  # fmt: skip
+PUBLISHED_ROW_2 = [0.5517, 0.4483, 0.0, 0.0, 0.0, 0.0]
+PUBLISHED_ROW_6 = [0.1935, 0.1663, 0.1666, 0.1542, 0.1666, 0.1529]
+
+
+def seeded_attention() -> tuple[CausalAttention, nn.Linear, nn.Linear, nn.Linear]:
+    torch.manual_seed(789)
+    w_query, w_key, w_value = (nn.Linear(3, 2, bias=False) for _ in range(3))  # drawn in this order
+    attn = CausalAttention(3, 2, 6)
+    with torch.no_grad():
+        attn.c_attn.weight.copy_(torch.cat([w_query.weight, w_key.weight, w_value.weight]))
+    return attn.eval(), w_query, w_key, w_value
+
+
+def test_worked_example_matches_published_weights():
+    attn, *_ = seeded_attention()
+    w = attn.attention_weights(INPUTS[None])[0, 0]  # (6, 6)
+    assert torch.allclose(w[1], torch.tensor(PUBLISHED_ROW_2), atol=5e-5)
+    assert torch.allclose(w[5], torch.tensor(PUBLISHED_ROW_6), atol=5e-5)
+    assert torch.all(w.triu(diagonal=1) == 0)  # exactly zero above the diagonal
+    assert torch.allclose(w.sum(-1), torch.ones(6), atol=1e-6)
+
+
+def test_mask_after_softmax_renormalised_gives_same_weights():
+    attn, w_query, w_key, _ = seeded_attention()
+    q, k = w_query(INPUTS), w_key(INPUTS)
+    unmasked = torch.softmax(q @ k.T / k.shape[-1] ** 0.5, dim=-1)
+    simple = unmasked * torch.tril(torch.ones(6, 6))
+    renormalised = simple / simple.sum(dim=-1, keepdim=True)
+    assert torch.allclose(attn.attention_weights(INPUTS[None])[0, 0], renormalised, atol=1e-6)
+
+
+def test_mask_is_a_nonpersistent_buffer_sliced_not_rebuilt():
+    attn = CausalAttention(8, 8, 16, num_heads=2)
+    assert "mask" in dict(attn.named_buffers()) and "mask" not in attn.state_dict()
+    assert torch.equal(attn.mask, torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1))
+    ptr = attn.mask.data_ptr()
+    attn(torch.randn(2, 5, 8))
+    assert attn.mask.data_ptr() == ptr and attn.mask.shape == (16, 16)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_prefix_output_equals_truncated_full_output(heads):
+    torch.manual_seed(0)
+    attn = CausalAttention(8, 8, 12, num_heads=heads, qkv_bias=True).eval()
+    x = torch.randn(3, 12, 8)
+    full = attn(x)
+    for t in range(1, 13):
+        assert torch.allclose(attn(x[:, :t]), full[:, :t], atol=1e-6), t
+
+
+def test_forward_equals_explicit_softmax_path():
+    torch.manual_seed(1)
+    attn = CausalAttention(12, 12, 10, num_heads=3, qkv_bias=True).eval()
+    x = torch.randn(2, 7, 12)
+    weights = attn.attention_weights(x)  # (B, H, T, T)
+    _, _, v = attn._qkv(x)
+    by_hand = attn.c_proj((weights @ v).transpose(1, 2).reshape(2, 7, 12))
+    assert torch.allclose(attn(x), by_hand, atol=1e-6)
+
+
+def test_offset_with_kv_buffers_equals_full_sequence():
+    torch.manual_seed(2)
+    attn = CausalAttention(8, 8, 16, num_heads=2).eval()
+    x = torch.randn(2, 9, 8)
+    k_buf, v_buf = torch.zeros(2, 2, 16, 4), torch.zeros(2, 2, 16, 4)
+    parts, start = [], 0
+    for size in (4, 1, 3, 1):  # uneven chunks
+        parts.append(attn(x[:, start : start + size], offset=start, kv=(k_buf, v_buf)))
+        start += size
+    assert torch.allclose(torch.cat(parts, 1), attn(x), atol=1e-6)
+
+
+def test_padding_rows_are_finite_and_real_rows_ignore_padding():
+    torch.manual_seed(3)
+    attn = CausalAttention(8, 8, 16, num_heads=2).eval()
+    real = torch.randn(1, 3, 8)
+    padded = torch.cat([torch.randn(1, 4, 8), real], dim=1)  # 4 padding positions on the left
+    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    out = attn(padded, key_padding_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(attn.attention_weights(padded, key_padding_mask=mask)).all()
+    # causal attention is position-free: the real tokens give the same output as without the padding
+    assert torch.allclose(out[:, 4:], attn(real), atol=1e-6)
+    all_padding = attn(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 5))
+    assert torch.isfinite(all_padding).all()
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(4)
+    attn = CausalAttention(8, 8, 16, dropout=0.5, num_heads=2)
+    x = torch.randn(1, 6, 8)
+    attn.eval()
+    assert torch.equal(attn(x), attn(x))
+    attn.train()
+    w = attn.attention_weights(x)
+    assert (w == 0).sum() > (torch.ones(6, 6).triu(1) == 1).sum()  # some allowed weights were dropped
+
+
+def test_errors_name_the_limit():
+    with pytest.raises(ValueError, match=r"d_out \(10\) must be divisible by num_heads \(3\)"):
+        CausalAttention(4, 10, 8, num_heads=3)
+    attn = CausalAttention(4, 4, 8)
+    with pytest.raises(ValueError, match="sequence of 9 positions exceeds this attention's context_length"):
+        attn(torch.randn(1, 9, 4))
+    with pytest.raises(ValueError, match="offset=2 needs a KV cache"):
+        attn(torch.randn(1, 3, 4), offset=2)
+    with pytest.raises(ValueError, match="key_padding_mask covers 2 positions but the keys span 3"):
+        attn(torch.randn(1, 3, 4), key_padding_mask=torch.ones(1, 2))
