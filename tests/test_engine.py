@@ -1,0 +1,111 @@
+"""The decode loop: greedy generation against full recomputation and against Hugging Face generate()."""
+
+import pytest
+import torch
+import transformers
+
+import checkpoints
+from conftest import TINY_CONFIGS, make_model
+from generate import GenerationError, SamplingParams, generate_ids
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def greedy_by_recomputation(model, prompt, max_new_tokens):
+    """Reference: rerun the whole sequence through the uncached forward for every new token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < max_new_tokens and len(ids) < model.config.n_positions:
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def random_prompts(vocab, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cached_greedy_equals_recomputed_greedy_batched(tiny_config, seed):
+    model = make_model(tiny_config, seed=seed, std=0.3)  # clear argmax margins
+    prompts = random_prompts(tiny_config.vocab_size, [1, 17, 6], seed)
+    out = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY, eos_id=None)
+    for p, row in zip(prompts, out, strict=True):
+        assert row.token_ids == greedy_by_recomputation(model, p, 12)
+        assert row.finish_reason == "length"
+
+
+def test_rows_reaching_the_window_end_in_a_padded_batch_match_alone():
+    # The longest row fills the window first; shorter rows keep going (the cache drops shared padding).
+    config = TINY_CONFIGS["2x2x32"]
+    model = make_model(config, seed=7, std=0.3)
+    prompts = random_prompts(config.vocab_size, [20, 2, 9], 7)
+    out = generate_ids(model, prompts, max_new_tokens=100, sampling=GREEDY, eos_id=None)
+    for p, row in zip(prompts, out, strict=True):
+        assert len(p) + len(row.token_ids) == config.n_positions
+        assert row.finish_reason == "length"
+        assert row.token_ids == greedy_by_recomputation(model, p, 100)
+
+
+def test_greedy_equals_transformers_generate_with_left_padding(tmp_path):
+    config = TINY_CONFIGS["5x3x48"]
+    model = make_model(config, seed=11, std=0.3)
+    checkpoints.save(model, tmp_path)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    prompts = random_prompts(config.vocab_size, [3, 12, 1, 7], 11)
+    ours = generate_ids(model, prompts, max_new_tokens=10, sampling=GREEDY, eos_id=None)
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10,
+                             do_sample=False, pad_token_id=0)  # fmt: skip
+    for i, row in enumerate(ours):
+        assert row.token_ids == theirs[i, longest:].tolist(), i
+
+
+def test_eos_stops_a_row_and_it_stops_changing():
+    config = TINY_CONFIGS["2x2x32"]
+    model = make_model(config, seed=2, std=0.3)
+    prompts = random_prompts(config.vocab_size, [4, 4], 2)
+    free = generate_ids(model, prompts, max_new_tokens=8, sampling=GREEDY, eos_id=None)
+    eos = free[0].token_ids[2]  # row 0 emits this third; treat it as end-of-text
+    out = generate_ids(model, prompts, max_new_tokens=8, sampling=GREEDY, eos_id=eos)
+    assert out[0].token_ids == free[0].token_ids[:3] and out[0].finish_reason == "stop"
+    first = free[1].token_ids.index(eos) + 1 if eos in free[1].token_ids else 8
+    assert out[1].token_ids == free[1].token_ids[:first]
+
+
+def test_seeded_sampling_row_alone_equals_row_in_batch():
+    config = TINY_CONFIGS["2x2x32"]
+    model = make_model(config, seed=3, std=0.3)
+    prompts = random_prompts(config.vocab_size, [5, 1, 25], 3)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+    batch = generate_ids(model, prompts, max_new_tokens=15, sampling=params, seed=42, eos_id=None)
+    for p, row in zip(prompts, batch, strict=True):
+        assert generate_ids(model, [p], max_new_tokens=15, sampling=params, seed=42, eos_id=None)[0] == row
+
+
+def test_nan_logits_are_reported_not_sampled():
+    config = TINY_CONFIGS["2x2x32"]
+    model = make_model(config, seed=1)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight[0, 0] = float("nan")  # a corrupted weight
+    with pytest.raises(GenerationError, match="NaN or infinite logits"):
+        generate_ids(model, [[1, 2, 3]], max_new_tokens=3, sampling=GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "max_new", "match"),
+    [
+        ([[1] * 64], 5, "prompt 0 has 64 tokens but the model's window is 64 positions"),
+        ([[1], []], 5, "prompt 1 has no tokens"),
+        ([[1, 500]], 5, r"token id 500 outside the vocabulary 0\.\.210"),
+        ([[1]], -1, "max_new_tokens must be an integer >= 0, got -1"),
+        ([], 5, "no prompts given"),
+    ],
+)
+def test_bad_requests(prompts, max_new, match):
+    model = make_model(TINY_CONFIGS["2x2x32"])
+    with pytest.raises(ValueError, match=match):
+        generate_ids(model, prompts, max_new_tokens=max_new, sampling=GREEDY)
