@@ -1,8 +1,18 @@
 """checkpoints: everything on disk: safetensors checkpoints (Hugging Face GPT-2 layout), the tokenizer."""
 
 from checkpoints.errors import CheckpointError
-from checkpoints.load import load, resolve_dtype, shipped_names
+from checkpoints.load import load, shipped_names
+from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.save import save
 from checkpoints.tokenizer import EOT_ID, load_tokenizer
 
-__all__ = ["EOT_ID", "CheckpointError", "load", "load_tokenizer", "resolve_dtype", "save", "shipped_names"]
+__all__ = [
+    "EOT_ID",
+    "CheckpointError",
+    "load",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "save",
+    "shipped_names",
+]

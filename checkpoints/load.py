@@ -11,35 +11,13 @@ import torch
 
 from checkpoints.errors import CheckpointError
 from checkpoints.hf_config import read_config
+from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import FILE_DTYPES, file_shape, iter_tensors, model_key, read_header
 from model import GPT, GPTConfig
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """Turn ``None`` (float32), a dtype name (``"bfloat16"``, ``"bf16"``...) or a torch dtype into a dtype.
-
-    Raises:
-        ValueError: for a dtype the model cannot run in.
-    """
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 
 
 def shipped_names() -> list[str]:
@@ -214,17 +192,19 @@ def load(
     Raises:
         CheckpointError: (a ``ValueError``) if the checkpoint is missing, unreadable, not safetensors,
             truncated, or does not match its config; the message names the file, key or shape.
-        ValueError: for an unsupported ``dtype``.
+        ValueError: for an unsupported ``dtype``, or a device that is unknown, absent, or cannot compute
+            in ``dtype``.
 
     Example:
         >>> model = load("shakespeare", dtype="bfloat16")  # doctest: +SKIP
     """
     dtype = resolve_dtype(dtype)
+    device = resolve_device(device, dtype)
     cfg, files = _resolve(source, config)
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
     plan = _plan(model, files)
-    model = model.to(dtype=dtype).to_empty(device=device or "cpu")
+    model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     params = dict(model.named_parameters())
     with torch.no_grad():

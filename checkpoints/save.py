@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from checkpoints.hf_config import config_to_dict
-from checkpoints.load import SINGLE_FILE, resolve_dtype
+from checkpoints.load import SINGLE_FILE
+from checkpoints.placement import resolve_dtype
 from checkpoints.safetensors_io import write_safetensors
 from model import GPT
 

@@ -119,7 +119,8 @@ class Generator:
         that prompt gives alone. Sampling options are those of :class:`generate.SamplingParams`.
 
         Args:
-            prompt: the text to continue, or a list of texts. ``""`` starts from ``<|endoftext|>``.
+            prompt: the text to continue, or a list of texts (an empty list gives an empty list).
+                ``""`` starts from ``<|endoftext|>``.
             max_new_tokens: the most tokens to generate (0 returns empty text).
             stop: a string or strings that end the text when generated; they are not returned.
             seed: a seed that makes sampling reproducible (the same for a prompt alone or in a batch),
@@ -129,6 +130,7 @@ class Generator:
 
         Raises:
             ValueError: for a parameter out of range or a prompt that does not fit the model's window.
+            MemoryError: if a batch's KV cache would not fit in the memory available (checked up front).
             generate.GenerationError: if the model produces NaN or infinite logits.
 
         Example:
@@ -140,6 +142,8 @@ class Generator:
         if isinstance(prompt, str):
             return self._drain(self._run([prompt], options, seed))[0]
         prompts = list(prompt)
+        if not prompts:
+            return []  # a batch of no prompts has no completions
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)

@@ -8,9 +8,7 @@ import sys
 import time
 from typing import NoReturn
 
-import torch
-
-from checkpoints import CheckpointError, resolve_dtype
+from checkpoints import CheckpointError, resolve_device, resolve_dtype
 from generate.api import DEFAULT_CHECKPOINT, Generator, load
 from generate.engine import GenerationError
 from generate.sampling import SamplingParams
@@ -108,9 +106,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
-        resolve_dtype(args.dtype)
-        torch.device(args.device)
-    except (ValueError, RuntimeError) as e:
+        resolve_device(args.device, resolve_dtype(args.dtype))
+    except ValueError as e:
         parser.error(str(e))
     for name in ("num_samples", "batch_size"):
         if getattr(args, name) < 1:
@@ -169,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         sys.stderr.close()  # the reader went away (e.g. `| head`): stop quietly
         return 0
-    except (CheckpointError, GenerationError, ValueError, RuntimeError, OSError) as e:
+    except (CheckpointError, GenerationError, ValueError, MemoryError, RuntimeError, OSError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 1
     return 0

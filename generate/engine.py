@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from generate.sampling import SamplingParams, apply_penalties, choose
-from model import GPT, KVCache
+from model import GPT, GPTConfig, KVCache
 
 
 class GenerationError(RuntimeError):
@@ -22,6 +22,32 @@ class TokenCompletion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" (budget or window)
     logprobs: list[float] | None = None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (CPU: Linux's MemAvailable), or None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def request_bytes(config: GPTConfig, batch: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
+    """Memory a request needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
+    penalty counts) and the prefill's activations (attention scores included)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    cache = KVCache.bytes_per_token(config, dtype) * batch * cache_len
+    per_row_vocab = batch * config.vocab_size * (4 + 4 + 1)
+    prefill = batch * prompt_len * (4 * config.inner_dim * itemsize + config.n_head * prompt_len * 4)
+    return cache + per_row_vocab + prefill
 
 
 def _generators(seeds: Sequence[int | None], device: torch.device) -> list[torch.Generator]:
@@ -55,6 +81,8 @@ class Decoder:
     Raises:
         ValueError: for an empty prompt, a token id outside the vocabulary, a prompt that leaves no room in
             the window, or a negative ``max_new_tokens``.
+        MemoryError: if the request's cache and working memory exceed what the device has free; checked
+            before anything is allocated.
     """
 
     def __init__(
@@ -76,8 +104,19 @@ class Decoder:
         weight = model.wte.weight
         b, longest = len(prompts), max(len(p) for p in prompts)
         self.lengths = [len(p) for p in prompts]  # each row's own sequence length, padding excluded
-        self.cache = KVCache(cfg, b, min(cfg.n_positions, longest + max_new_tokens), dtype=weight.dtype,
-                             device=weight.device)  # fmt: skip
+        cache_len = min(cfg.n_positions, longest + max_new_tokens)
+        needed, free = (
+            request_bytes(cfg, b, cache_len, longest, weight.dtype),
+            available_memory(weight.device),
+        )
+        if free is not None and needed > free:
+            raise MemoryError(
+                f"this request needs about {needed / 2**20:,.0f} MiB ({b} rows x {cache_len} positions of KV "
+                f"cache, {KVCache.bytes_per_token(cfg, weight.dtype):,} bytes each, plus working memory) but "
+                f"only {free / 2**20:,.0f} MiB are available on {weight.device}; use fewer prompts per batch "
+                "or fewer new tokens"
+            )
+        self.cache = KVCache(cfg, b, cache_len, dtype=weight.dtype, device=weight.device)
         self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=weight.device)
         ids = torch.zeros(b, longest, dtype=torch.long, device=weight.device)
         for i, p in enumerate(prompts):  # left padding
