@@ -71,12 +71,19 @@ def _directory_files(directory: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise CheckpointError(
+                f"{index} is not a valid safetensors index: its weight_map must map tensor names to shard "
+                "file names and name at least one"
+            )
+        names = sorted(set(weight_map.values()))
         files = [directory / n for n in names]
         for f in files:  # a shard must be a plain file name inside this directory, never a path elsewhere
-            if not isinstance(f.name, str) or f.parent != directory or not f.name.endswith(".safetensors"):
+            if f.parent != directory or not f.name.endswith(".safetensors"):
                 raise CheckpointError(
                     f"{index} names shard {f.name!r}, which is not a .safetensors file here"
                 )

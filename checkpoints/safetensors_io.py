@@ -59,15 +59,30 @@ def read_header(path: Path) -> dict[str, dict]:
     header.pop("__metadata__", None)
     end = 0
     for name, info in header.items():
-        try:
-            end = max(end, int(info["data_offsets"][1]))
-        except (TypeError, KeyError, IndexError, ValueError) as e:
-            raise CheckpointError(f"{path}: header entry {name!r} has no valid data_offsets") from e
+        if not _valid_entry(info):
+            raise CheckpointError(
+                f"{path} is not a valid safetensors file: header entry {name!r} needs a dtype string, "
+                "a shape list of integers and two integer data_offsets"
+            )
+        end = max(end, info["data_offsets"][1])
     if 8 + header_len + end > size:
         raise CheckpointError(
             f"{path} is truncated: its tensors need {8 + header_len + end} bytes but the file has {size}"
         )
     return header
+
+
+def _valid_entry(info: object) -> bool:
+    def ints(values: object) -> bool:
+        return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
+
+    return (
+        isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and ints(info.get("shape"))
+        and ints(info.get("data_offsets"))
+        and len(info["data_offsets"]) == 2
+    )
 
 
 def model_key(file_key: str) -> str | None:
