@@ -1,0 +1,282 @@
+"""Side-by-side benchmark: gptgen vs Hugging Face transformers on the same GPT-2 124M weights.
+
+    python bench/bench.py            # the full run (several minutes)
+    python bench/bench.py --quick    # a smoke run, under a minute
+
+Random weights with GPT-2 124M geometry (``GPT2Config()`` defaults, seeded) are saved once; each library
+loads that file in its own worker process (so each process's peak RSS is its own). The parent alternates
+the two (A B A B ...) on each measurement and prints medians and the median of paired ratios (ours / HF).
+Before timing it checks that both produce identical greedy tokens in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing: import the project's packages
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds and tokens: a smoke run")
+    p.add_argument("--rounds", type=int, default=None, help="A/B rounds per measurement (default 5, quick 2)")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--worker", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------- worker side: one library, one dtype
+
+
+def _worker(kind: str, directory: str, dtype_name: str) -> None:
+    import resource
+
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    if kind == "ours":
+        import checkpoints
+        from generate import SamplingParams, generate_ids
+
+        model = checkpoints.load(directory, dtype=dtype)
+        greedy = SamplingParams(temperature=0)
+
+        def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
+            rows = generate_ids(model, prompts, max_new_tokens=new, sampling=greedy, eos_id=None)
+            return [r.token_ids for r in rows]
+
+        def prefill(ids: list[int]) -> None:
+            with torch.inference_mode():
+                model(torch.tensor([ids]), last_only=True)
+
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=dtype).eval()
+
+        def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
+            longest = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            return out[:, longest:].tolist()
+
+        def prefill(ids: list[int]) -> None:
+            with torch.inference_mode():
+                model(torch.tensor([ids]), logits_to_keep=1)
+
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"ready": True, "weights": weights, "threads": torch.get_num_threads()}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        t0 = time.perf_counter()
+        if job["op"] == "generate":
+            tokens = run_generate(job["prompts"], job["new"])
+        elif job["op"] == "prefill":
+            prefill(job["ids"])
+            tokens = None
+        else:
+            break
+        seconds = time.perf_counter() - t0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps({"seconds": seconds, "tokens": tokens, "peak_rss": rss}), flush=True)
+
+
+# ---------------------------------------------------------------- parent side
+
+
+class Worker:
+    """A library in its own process, answering one JSON job per line."""
+
+    def __init__(self, kind: str, directory: str, dtype: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", kind, "--dir", directory, "--dtype", dtype],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.info = json.loads(self.proc.stdout.readline())
+        self.peak_rss = 0
+
+    def ask(self, **job: object) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        self.peak_rss = answer["peak_rss"]
+        return answer
+
+    def close(self) -> None:
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a sum over a 1 GiB tensor reads, best of 5 (torch, all threads)."""
+    import torch
+
+    x = torch.ones(2**28, dtype=torch.float32)
+    x.sum()
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def decode_rate(worker: Worker, prompts: list[list[int]], new: int) -> float:
+    """Decode tokens/s with prefill excluded: (t(new) - t(1)) over (new - 1) steps, times the batch size."""
+    full = worker.ask(op="generate", prompts=prompts, new=new)["seconds"]
+    first = worker.ask(op="generate", prompts=prompts, new=1)["seconds"]
+    return len(prompts) * (new - 1) / max(full - first, 1e-9)
+
+
+def prefill_ms(worker: Worker, ids: list[int]) -> float:
+    """Milliseconds for one forward over ``ids`` with logits for the last position only."""
+    return 1000 * worker.ask(op="prefill", ids=ids)["seconds"]
+
+
+def alternate(ours: Worker, hf: Worker, measure, rounds: int) -> tuple[list[float], list[float]]:
+    """Run ``measure`` on ours then HF, ``rounds`` times, alternating the order of each pair."""
+    a, b = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a.append(measure(ours))
+            b.append(measure(hf))
+        else:
+            b.append(measure(hf))
+            a.append(measure(ours))
+    return a, b
+
+
+def report(name: str, unit: str, a: list[float], b: list[float], higher_is_better: bool) -> dict:
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    row = {
+        "name": name,
+        "ours": statistics.median(a),
+        "hf": statistics.median(b),
+        "ratio": statistics.median(ratios),
+    }
+    better = "higher is better" if higher_is_better else "lower is better"
+    print(
+        f"{name:<34} ours {row['ours']:9.2f} {unit:<6} HF {row['hf']:9.2f} {unit:<6} "
+        f"ours/HF {row['ratio']:.2f}x ({better})",
+        flush=True,
+    )
+    return row
+
+
+def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: float) -> list[dict]:
+    import torch
+
+    from model import GPTConfig, KVCache
+
+    rounds = args.rounds or (2 if args.quick else 5)
+    new = 32 if args.quick else 128
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 50257, (16,), generator=g).tolist()
+    batch = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (8, 16, 24, 32, 40, 48, 56, 64)]
+    long_prompt = torch.randint(0, 50257, (128 if args.quick else 512,), generator=g).tolist()
+    ours, hf = Worker("ours", directory, dtype), Worker("hf", directory, dtype)
+    try:
+        same = (
+            ours.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
+            == hf.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
+        )
+        print(
+            f"[{dtype}] identical greedy tokens (3 left-padded prompts, 16 new): {same}; threads "
+            f"ours {ours.info['threads']}, HF {hf.info['threads']}",
+            flush=True,
+        )
+        if dtype == "float32" and not same:
+            raise SystemExit("fp32 greedy tokens differ from transformers: not timing a wrong answer")
+        rows = [
+            report(
+                f"[{dtype}] decode batch 1 ({new} new)",
+                "tok/s",
+                *alternate(ours, hf, lambda w: decode_rate(w, [prompt], new), rounds),
+                True,
+            ),
+            report(
+                f"[{dtype}] decode batch 8 (8..64 prompt)",
+                "tok/s",
+                *alternate(ours, hf, lambda w: decode_rate(w, batch, new), rounds),
+                True,
+            ),
+            report(
+                f"[{dtype}] prefill {len(long_prompt)} tokens",
+                "ms",
+                *alternate(ours, hf, lambda w: prefill_ms(w, long_prompt), rounds),
+                False,
+            ),
+        ]
+        weights = ours.info["weights"]
+        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        kv = KVCache.bytes_per_token(GPTConfig(), getattr(torch, dtype)) * (len(prompt) + new)
+        limit = bandwidth / weights
+        mib = 2**20
+        print(
+            f"[{dtype}] weights {weights / mib:.0f} MiB ({itemsize} B/param), KV cache for batch 1 "
+            f"{kv / mib:.1f} MiB;"
+            f" peak RSS ours {ours.peak_rss / mib:.0f} MiB, HF {hf.peak_rss / mib:.0f} MiB; "
+            f"bandwidth limit {limit:.0f} tok/s, ours at {rows[0]['ours'] / limit:.2f} of it",
+            flush=True,
+        )
+    finally:
+        ours.close()
+        hf.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    if args.worker:
+        _worker(args.worker, args.dir, args.dtype)
+        return
+    import torch
+    import transformers
+
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s", flush=True)
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+        for dtype in args.dtypes.split(","):
+            run_dtype(directory, dtype, args, bandwidth)
+
+
+if __name__ == "__main__":
+    main()
