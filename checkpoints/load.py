@@ -73,8 +73,10 @@ def _directory_files(directory: Path) -> list[Path]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
-        if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(v, str) for v in weight_map.values()
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(v, str) for v in weight_map.values())
         ):
             raise CheckpointError(
                 f"{index} is not a valid safetensors index: its weight_map must map tensor names to shard "

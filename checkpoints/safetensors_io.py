@@ -1,18 +1,18 @@
 """Safetensors files in the Hugging Face GPT-2 layout: header checks, key mapping, reading and writing.
 
-Weights are only ever read through safetensors (never ``torch.load``/pickle), one tensor at a time.
+Weights are only ever read as safetensors data (never ``torch.load``/pickle), one tensor at a time.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from checkpoints.errors import CheckpointError
@@ -101,15 +101,37 @@ def file_shape(model_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(model_name, tensor)`` for the file keys in ``names`` ({file_key: model_name}), one at a time.
 
-    Conv1D weights come back as transposed views; the caller copies them into place.
+    Each tensor's bytes are read from the file with plain reads (safetensors data is raw little-endian
+    arrays at the header's offsets), so at most one tensor is in memory beside the model: no memory map
+    whose pages would count, file-wide, toward the process's resident memory. Conv1D weights come back as
+    transposed views; the caller copies them into place.
     """
+    header = read_header(path)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
             for file_key, name in names.items():
-                tensor = f.get_tensor(file_key)
+                info = header[file_key]
+                dtype, shape = FILE_DTYPES[info["dtype"]], info["shape"]
+                begin, end = info["data_offsets"]
+                size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                if end - begin != size:
+                    raise CheckpointError(
+                        f"cannot read {path} as safetensors: tensor {file_key} spans {end - begin} bytes but "
+                        f"{info['dtype']} {shape} needs {size}"
+                    )
+                f.seek(8 + header_len + begin)
+                data = bytearray(size)
+                if f.readinto(data) != size:
+                    raise CheckpointError(f"{path} is truncated inside tensor {file_key}")
+                tensor = (
+                    torch.frombuffer(data, dtype=dtype).reshape(shape)
+                    if size
+                    else torch.empty(shape, dtype=dtype)
+                )
                 yield name, tensor.t() if name.endswith(CONV1D_SUFFIXES) else tensor
-    except SafetensorError as e:
-        raise CheckpointError(f"cannot read {path} as safetensors: {e}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
 
 
 def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
