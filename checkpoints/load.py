@@ -14,6 +14,7 @@ from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import FILE_DTYPES, file_shape, iter_tensors, model_key, read_header
 from model import GPT, GPTConfig
+from model.quant import quantize_int8
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
@@ -193,7 +194,8 @@ def load(
             ``openai-community/gpt2`` (needs ``huggingface_hub`` and the hub or its local cache).
         config: a :class:`GPTConfig`, a preset name or a ``config.json`` path, overriding the directory's.
         device: where to put the model (default CPU).
-        dtype: ``float32`` (default), ``bfloat16`` or ``float16``, as a torch dtype or a name.
+        dtype: ``float32`` (default), ``bfloat16`` or ``float16``, as a torch dtype or a name; or
+            ``"int8"``: int8 weights with per-row scales (output head included), bf16 activations.
 
     Returns:
         The model, in eval mode, on ``device`` in ``dtype``.
@@ -207,8 +209,9 @@ def load(
     Example:
         >>> model = load("shakespeare", dtype="bfloat16")  # doctest: +SKIP
     """
-    dtype = resolve_dtype(dtype)
-    device = resolve_device(device, dtype)
+    quantize = dtype == "int8"  # weight-only int8: loaded in fp32, quantized, computed in bf16
+    dtype = torch.float32 if quantize else resolve_dtype(dtype)
+    device = resolve_device(device, torch.bfloat16 if quantize else dtype)
     cfg, files = _resolve(source, config)
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
@@ -220,4 +223,4 @@ def load(
         for path, names in plan.items():
             for name, tensor in iter_tensors(path, names):  # one tensor in memory at a time
                 params[name].copy_(tensor)
-    return model.eval()
+    return quantize_int8(model) if quantize else model.eval()

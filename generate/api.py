@@ -204,7 +204,7 @@ def load(
     Args:
         source: a checkpoint directory or file, a shipped name (default ``"shakespeare"``) or a hub id.
         device: where to run (default CPU).
-        dtype: ``float32`` (default), ``bfloat16`` or ``float16``.
+        dtype: ``float32`` (default), ``bfloat16``, ``float16`` or ``"int8"`` (int8 weights, bf16 compute).
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="compute dtype (default: float32)",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        help="weights and compute: float32 (default), bfloat16, float16, or int8 weights with bf16 compute",
     )
     p.add_argument(
         "--max-new-tokens", "-n", type=int, default=100, help="tokens to generate at most (default 100)"
@@ -106,7 +106,7 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
-        resolve_device(args.device, resolve_dtype(args.dtype))
+        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype == "int8" else args.dtype))
     except ValueError as e:
         parser.error(str(e))
     for name in ("num_samples", "batch_size"):

@@ -101,31 +101,31 @@ class Decoder:
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
         self.model, self.sampling, self.eos_id, self.max_new_tokens = model, sampling, eos_id, max_new_tokens
-        weight = model.wte.weight
+        dtype, device = model.compute_dtype, model.device
         b, longest = len(prompts), max(len(p) for p in prompts)
         self.lengths = [len(p) for p in prompts]  # each row's own sequence length, padding excluded
         cache_len = min(cfg.n_positions, longest + max_new_tokens)
         needed, free = (
-            request_bytes(cfg, b, cache_len, longest, weight.dtype),
-            available_memory(weight.device),
+            request_bytes(cfg, b, cache_len, longest, dtype),
+            available_memory(device),
         )
         if free is not None and needed > free:
             raise MemoryError(
                 f"this request needs about {needed / 2**20:,.0f} MiB ({b} rows x {cache_len} positions of KV "
-                f"cache, {KVCache.bytes_per_token(cfg, weight.dtype):,} bytes each, plus working memory) but "
-                f"only {free / 2**20:,.0f} MiB are available on {weight.device}; use fewer prompts per batch "
+                f"cache, {KVCache.bytes_per_token(cfg, dtype):,} bytes each, plus working memory) but "
+                f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer prompts per batch "
                 "or fewer new tokens"
             )
-        self.cache = KVCache(cfg, b, cache_len, dtype=weight.dtype, device=weight.device)
-        self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=weight.device)
-        ids = torch.zeros(b, longest, dtype=torch.long, device=weight.device)
+        self.cache = KVCache(cfg, b, cache_len, dtype=dtype, device=device)
+        self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=device)
+        ids = torch.zeros(b, longest, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):  # left padding
             ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
             self.mask[i, longest - len(p) : longest] = True
-        self.generators = _generators(seeds, weight.device)
+        self.generators = _generators(seeds, device)
         self.rows = [TokenCompletion(logprobs=[] if logprobs else None) for _ in prompts]
-        self.seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=weight.device)
-        self.counts = torch.zeros(b, cfg.vocab_size, dtype=torch.int32, device=weight.device)
+        self.seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(b, cfg.vocab_size, dtype=torch.int32, device=device)
         for i, p in enumerate(prompts):
             self.seen[i, torch.tensor(p)] = True
         self._pending: torch.Tensor | None = None

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.linear import Linear
+
 
 class CausalAttention(nn.Module):
     """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output).
@@ -50,8 +52,8 @@ class CausalAttention(nn.Module):
         self.head_dim = d_out // num_heads
         self.context_length = context_length
         self.dropout = dropout
-        self.c_attn = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # query, key, value stacked in that order
-        self.c_proj = nn.Linear(d_out, d_out)
+        self.c_attn = Linear(d_in, 3 * d_out, bias=qkv_bias)  # query, key, value stacked in that order
+        self.c_proj = Linear(d_out, d_out)
         self.register_buffer(
             "mask", self._causal_mask(context_length, self.c_attn.weight.device), persistent=False
         )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
+from model.linear import Linear, TiedEmbedding
 
 
 def _activation(name: str) -> nn.Module:
@@ -28,9 +28,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
+        self.c_fc = Linear(config.n_embd, config.inner_dim)
         self.act = _activation(config.activation_function)
-        self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
+        self.c_proj = Linear(config.inner_dim, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -86,7 +86,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wte = TiedEmbedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -166,7 +166,17 @@ class GPT(nn.Module):
             cache.length = end
         if last_only:
             x = x[:, -1:]
-        return F.linear(self.ln_f(x), self.wte.weight)  # tied output head, (B, T, V)
+        return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of activations and of the KV cache (bf16 for an int8-quantized model)."""
+        return self.ln_f.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's tensors live."""
+        return self.ln_f.weight.device
 
     def num_parameters(self) -> int:
         """Number of parameters (the tied head counted once)."""

@@ -45,7 +45,7 @@ def rss_bytes() -> int:
 def test_two_hundred_sequential_requests_do_not_grow_memory():
     gen = generate.Generator(make_model(GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=64), std=0.3))
     prompts = ["To be", "or not to be, that is", "", "the question"]
-    for i in range(10):  # warm-up: allocator pools and caches reach their steady size
+    for i in range(50):  # warm-up: allocator pools and caches reach their steady size
         gen.generate(prompts[i % 4], max_new_tokens=16, seed=i)
     gc.collect()
     start = rss_bytes()
@@ -57,4 +57,6 @@ def test_two_hundred_sequential_requests_do_not_grow_memory():
     gc.collect()
     growth = rss_bytes() - start
     print(f"RSS before {start / 2**20:.1f} MiB, after 200 requests {(start + growth) / 2**20:.1f} MiB")
-    assert growth < 8 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 200 requests"
+    # A request allocates ~1 MiB of vocabulary-sized state (logits, penalty counts): a leak of it would add
+    # 200 MiB. The heap's fragmentation moves RSS by a few MiB either way; 16 MiB separates the two.
+    assert growth < 16 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 200 requests"

@@ -1,0 +1,81 @@
+"""Int8 weight-only quantization: int8 matrices with one bf16 scale per output row, bf16 activations.
+
+A decode step's time is the time to read the weights; int8 halves the bytes of bf16 (quarter of fp32). The
+products run in ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights and scales directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.linear import TiedEmbedding
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``weight ~= q * scale[:, None]`` with ``q`` in [-127, 127].
+
+    Returns:
+        ``(q, scale)``: int8 (N, K) and bf16 (N,).
+    """
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(COMPUTE_DTYPE)
+
+
+def _int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    return torch.ops.aten._weight_int8pack_mm(rows, q, scale).view(*x.shape[:-1], q.shape[0])
+
+
+class Int8Linear(nn.Module):
+    """A quantized ``nn.Linear``: int8 weight (N, K), bf16 per-row scale and bias; bf16 in and out."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = quantize_rows(linear.weight)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _int8_mm(x, self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8TiedEmbedding(nn.Module):
+    """A quantized :class:`TiedEmbedding`: one int8 matrix serves the lookup (rows times their scales)
+    and the output head (an int8 product)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        q, scale = quantize_rows(embedding.weight)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].to(COMPUTE_DTYPE) * self.scale[ids, None]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits, (..., n_embd) -> (..., vocab_size)."""
+        return _int8_mm(x, self.q, self.scale)
+
+
+def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
+    """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int8 in place.
+
+    Everything else (LayerNorms, position embeddings, the head when not included) moves to bf16, the
+    activation dtype. Returns the model, in eval mode; it is for inference only.
+    """
+    for module in list(model.modules()):  # quantized from the weights' own precision, before any cast
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, Int8Linear(child))
+            elif include_head and isinstance(child, TiedEmbedding):
+                setattr(module, name, Int8TiedEmbedding(child))
+    model.to(COMPUTE_DTYPE)  # floating-point tensors only: the int8 matrices stay int8
+    return model.eval()

@@ -1,0 +1,57 @@
+"""Int8 weight-only quantization: error bounds, cached decoding of the quantized model, closeness to fp32."""
+
+import torch
+
+from conftest import TINY_CONFIGS, make_model
+from generate import SamplingParams, generate_ids
+from model import KVCache
+from model.quant import Int8Linear, Int8TiedEmbedding, quantize_int8, quantize_rows
+
+
+def test_quantize_rows_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) * torch.logspace(-2, 1, 64)[:, None]  # rows of very different scales
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.dtype == torch.bfloat16
+    error = (q.float() * scale.float()[:, None] - w).abs()
+    # rounding to the int8 grid costs half a step; the bf16 scale adds up to 2**-9 of the row's range
+    assert (error <= scale.float()[:, None] * (0.5 + 127 * 2**-8)).all()
+
+
+def test_quantized_model_structure(tiny_config):
+    model = quantize_int8(make_model(tiny_config))
+    assert isinstance(model.h[0].attn.c_attn, Int8Linear) and isinstance(model.wte, Int8TiedEmbedding)
+    assert model.compute_dtype == torch.bfloat16
+    kept = quantize_int8(make_model(tiny_config), include_head=False)
+    assert not isinstance(kept.wte, Int8TiedEmbedding) and kept.wte.weight.dtype == torch.bfloat16
+
+
+def test_int8_cached_decoding_tracks_its_own_full_forward():
+    # Same bf16 activations as the bf16 test in test_prefix_consistency: tolerance 0.08 (5 bf16 ulps at the
+    # logits' magnitude of ~3) for the same reason, matmuls of different shapes rounding differently.
+    config = TINY_CONFIGS["5x3x48"]
+    model = quantize_int8(make_model(config, seed=5, std=0.1))
+    ids = torch.randint(
+        0, config.vocab_size, (2, config.n_positions), generator=torch.Generator().manual_seed(5)
+    )
+    with torch.no_grad():
+        full = model(ids).float()
+        cache = KVCache(config, 2, config.n_positions, dtype=model.compute_dtype)
+        steps = [model(ids[:, :4], cache=cache)] + [
+            model(ids[:, t : t + 1], cache=cache) for t in range(4, 40)
+        ]
+    assert (torch.cat(steps, 1).float() - full).abs().max().item() <= 0.08
+
+
+def test_int8_logits_stay_close_to_fp32():
+    config = TINY_CONFIGS["2x2x32"]
+    fp32 = make_model(config, seed=3, std=0.3)
+    int8 = quantize_int8(make_model(config, seed=3, std=0.3))
+    ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = fp32(ids), int8(ids).float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert ((a - b).abs().mean() / a.abs().mean()).item() < 0.05  # a few percent of the logits' size
+    greedy = SamplingParams(temperature=0)
+    rows = generate_ids(int8, ids[:, :5].tolist(), max_new_tokens=6, sampling=greedy, eos_id=None)
+    assert all(len(r.token_ids) == 6 for r in rows)
