@@ -83,15 +83,16 @@ def _directory_files(directory: Path) -> list[Path]:
                 f"{index} is not a valid safetensors index: its weight_map must map tensor names to shard "
                 "file names and name at least one"
             )
-        names = sorted(set(weight_map.values()))
-        files = [directory / n for n in names]
-        for f in files:  # a shard must be a plain file name inside this directory, never a path elsewhere
+        files = []
+        for name in sorted(set(weight_map.values())):
+            f = (
+                directory / name
+            )  # a shard must be a plain file name in this directory, never a path elsewhere
             if f.parent != directory or not f.name.endswith(".safetensors"):
-                raise CheckpointError(
-                    f"{index} names shard {f.name!r}, which is not a .safetensors file here"
-                )
+                raise CheckpointError(f"{index} names shard {name!r}, which is not a .safetensors file here")
             if not f.is_file():
-                raise CheckpointError(f"{index} names shard {f.name}, which is missing from {directory}")
+                raise CheckpointError(f"{index} names shard {name!r}, which is missing from {directory}")
+            files.append(f)
         return files
     hint = (
         " (pytorch_model.bin is pickle, which gptgen never loads: convert it to safetensors)"
@@ -107,7 +108,7 @@ def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> 
         name = str(source)
         if (SHIPPED_DIR / name / "config.json").is_file() and "/" not in name:
             path = SHIPPED_DIR / name
-        elif _is_hub_id(name):
+        elif _is_hub_id(name) and not Path(name.split("/")[0]).is_dir():  # "runs/x" is a local path
             path = _from_hub(name)
         else:
             raise CheckpointError(f"checkpoint path {name} does not exist")
@@ -161,6 +162,11 @@ def _plan(model: GPT, files: list[Path]) -> dict[Path, dict[str, str]]:
                 raise CheckpointError(
                     f"{path}: tensor {file_key} has shape {tuple(info.get('shape', ()))} but the config "
                     f"implies {want}; the config.json does not describe these weights"
+                )
+            if name in found:
+                raise CheckpointError(
+                    f"{path}: tensor {file_key} is {name}, which the checkpoint already holds (with or "
+                    "without the 'transformer.' prefix, or in another shard); remove the duplicate"
                 )
             plan[path][file_key] = name
             found.add(name)

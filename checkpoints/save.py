@@ -9,12 +9,29 @@ from pathlib import Path
 import torch
 
 from checkpoints.hf_config import config_to_dict
-from checkpoints.load import SINGLE_FILE
+from checkpoints.load import INDEX_FILE, SINGLE_FILE
 from checkpoints.placement import resolve_dtype
 from checkpoints.safetensors_io import write_safetensors
 from model import GPT
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _remove_stale_shards(directory: Path) -> None:
+    # A sharded checkpoint being replaced by a single file: its index and shards would make the directory
+    # ambiguous, so they go (only the files the index names inside this directory).
+    index = directory / INDEX_FILE
+    if not index.exists():
+        return
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        shards = set()
+    for name in shards:
+        shard = directory / str(name)
+        if shard.parent == directory and shard.name.endswith(".safetensors") and shard.name != SINGLE_FILE:
+            shard.unlink(missing_ok=True)
+    index.unlink()
 
 
 def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | str | None = None) -> Path:
@@ -42,6 +59,7 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
     directory.mkdir(parents=True, exist_ok=True)
     state = {name: p.detach().to(device="cpu", dtype=store) for name, p in model.named_parameters()}
     write_safetensors(state, directory / SINGLE_FILE)
+    _remove_stale_shards(directory)
     config = json.dumps(config_to_dict(model.config, dtype=_DTYPE_NAMES[store]), indent=2) + "\n"
     tmp = directory / f".config.json.tmp-{os.getpid()}"
     tmp.write_text(config, encoding="utf-8")

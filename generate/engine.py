@@ -118,6 +118,7 @@ class Decoder:
             )
         self.cache = KVCache(cfg, b, cache_len, dtype=dtype, device=device)
         self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=device)
+        self.padded = any(len(p) != longest for p in prompts)
         ids = torch.zeros(b, longest, dtype=torch.long, device=device)
         for i, p in enumerate(prompts):  # left padding
             ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
@@ -147,7 +148,9 @@ class Decoder:
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         end = self.cache.length + ids.shape[1]
-        logits = self.model(ids, cache=self.cache, attention_mask=self.mask[:, :end], last_only=True)
+        # Without padding the mask is all ones: leaving it out lets attention skip building masks.
+        mask = self.mask[:, :end] if self.padded else None
+        logits = self.model(ids, cache=self.cache, attention_mask=mask, last_only=True)
         return logits[:, -1].float()  # (B, V): only the last position went through the head
 
     def _make_room(self) -> None:
@@ -179,14 +182,17 @@ class Decoder:
         active = [i for i, row in enumerate(self.rows) if row.finish_reason is None]
         if not active:
             return [None] * len(self.rows)
-        logits = self._logits[active]
+        logits = self._logits if len(active) == len(self.rows) else self._logits[active]
         if not torch.isfinite(logits).all():
             raise GenerationError(
                 "the model produced NaN or infinite logits; the checkpoint may be corrupt, or float16 "
                 "overflowed (try dtype='float32' or 'bfloat16')"
             )
-        processed = apply_penalties(logits, self.seen[active], self.counts[active], self.sampling)
-        chosen = choose(processed, self.sampling, [self.generators[i] for i in active])
+        if self.sampling.penalized:
+            logits_for_choice = apply_penalties(logits, self.seen[active], self.counts[active], self.sampling)
+        else:
+            logits_for_choice = logits
+        chosen = choose(logits_for_choice, self.sampling, [self.generators[i] for i in active])
         if self.rows[0].logprobs is not None:
             picked = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0].tolist()
         out: list[int | None] = [None] * len(self.rows)
@@ -204,8 +210,9 @@ class Decoder:
         row.token_ids.append(token)
         if logprob is not None:
             row.logprobs.append(logprob)
-        self.seen[i, token] = True
-        self.counts[i, token] += 1
+        if self.sampling.penalized:
+            self.seen[i, token] = True
+            self.counts[i, token] += 1
         self.lengths[i] += 1
         if token == self.eos_id:
             row.finish_reason = "stop"

@@ -60,6 +60,11 @@ class SamplingParams:
         check("frequency_penalty", -2 <= number("frequency_penalty") <= 2, "in [-2, 2] (0 disables it)")
 
     @property
+    def penalized(self) -> bool:
+        """Whether any penalty is active (else the token history need not be tracked)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """Whether the choice is the argmax."""
         return self.temperature == 0

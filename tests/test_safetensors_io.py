@@ -1,0 +1,114 @@
+"""checkpoints.safetensors_io: header validation, key mapping and tensor reading (via load where seen)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import random
+import struct
+
+import pytest
+import torch
+from _hf_helpers import tiny_checkpoint
+
+import checkpoints
+from checkpoints import CheckpointError
+from checkpoints.safetensors_io import file_shape, iter_tensors, model_key
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return tiny_checkpoint(tmp_path / "ckpt")
+
+
+def header_bytes(header: dict) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(b"", "is 0 bytes, too short to be a safetensors file"),
+     (b"abc", "is 3 bytes, too short"),
+     (random.Random(0).randbytes(1000), "not a complete safetensors file: its header claims"),
+     (struct.pack("<Q", 10**6) + b"{}", "header claims 1000000 bytes but the file has only 2"),
+     (struct.pack("<Q", 9) + b"{not json", "is not a safetensors file: its header is not valid JSON"),
+     (header_bytes([1, 2]), "its header is not a JSON object"),
+     (header_bytes({"wte.weight": "x"}), "header entry 'wte.weight' needs a dtype string"),
+     (header_bytes({"wte.weight": {"dtype": "F32", "shape": [1], "data_offsets": [4]}}),
+      "two integer data_offsets"),
+     (header_bytes({"wte.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}),
+      "is truncated: its tensors need")],
+)  # fmt: skip
+def test_not_safetensors(ckpt, content, match):
+    (ckpt[0] / "model.safetensors").write_bytes(content)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoints.load(ckpt[0])
+
+
+def test_truncated_file(ckpt):
+    path = ckpt[0] / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated: its tensors need"):
+        checkpoints.load(ckpt[0])
+
+
+def test_header_inconsistent_with_data(ckpt):
+    """A header that passes our size checks but that safetensors rejects (F32 bytes declared F16)."""
+    path = ckpt[0] / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n].replace(b'"F32"', b'"F16"', 1)  # same length, so offsets stay valid
+    path.write_bytes(raw[:8] + header + raw[8 + n :])
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot read .*model\.safetensors as safetensors: tensor \S+ spans \d+ bytes but F16",
+    ):
+        checkpoints.load(ckpt[0])
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"dtype": ["F32"], "shape": [50, 32]}, {"dtype": "F32", "shape": 5},
+     {"dtype": "F32", "shape": [50, -32]}, {"dtype": "F32", "shape": [50, 32.0]}],
+)  # fmt: skip
+def test_header_entry_of_wrong_type(ckpt, entry):
+    (ckpt[0] / "model.safetensors").write_bytes(
+        header_bytes({"transformer.wte.weight": {**entry, "data_offsets": [0, 6400]}}) + bytes(6400)
+    )
+    with pytest.raises(
+        CheckpointError, match=r"header entry 'transformer\.wte\.weight' needs a dtype string"
+    ):
+        checkpoints.load(ckpt[0])
+
+
+def test_iter_tensors_is_lazy_and_transposes_conv1d(ckpt):
+    directory, model = ckpt
+    names = {
+        "transformer.h.0.attn.c_attn.weight": "h.0.attn.c_attn.weight",
+        "transformer.wte.weight": "wte.weight",
+    }
+    it = iter_tensors(directory / "model.safetensors", names)
+    assert inspect.isgenerator(it)
+    name, tensor = next(it)  # one tensor at a time, in the order asked for
+    assert name == "h.0.attn.c_attn.weight"
+    assert torch.equal(tensor, model.h[0].attn.c_attn.weight)  # stored (in, out), handed back (out, in)
+    assert [n for n, _ in it] == ["wte.weight"]
+
+
+@pytest.mark.parametrize(
+    ("file_key", "expected"),
+    [("transformer.wte.weight", "wte.weight"), ("h.1.mlp.c_fc.bias", "h.1.mlp.c_fc.bias"),
+     ("transformer.h.0.attn.bias", None), ("h.3.attn.masked_bias", None), ("lm_head.weight", None)],
+)  # fmt: skip
+def test_model_key(file_key, expected):
+    assert model_key(file_key) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "expected"),
+    [("h.0.attn.c_attn.weight", (96, 32), (32, 96)), ("h.2.mlp.c_proj.weight", (32, 128), (128, 32)),
+     ("h.0.attn.c_attn.bias", (96,), (96,)), ("wte.weight", (50, 32), (50, 32))],
+)  # fmt: skip
+def test_file_shape_transposes_only_conv1d_weights(name, shape, expected):
+    assert file_shape(name, shape) == expected

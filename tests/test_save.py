@@ -1,0 +1,146 @@
+"""checkpoints.save: files that transformers and our load both read, dtypes, atomic replacement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from _hf_helpers import assert_same_logits, random_ids, save_hf
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import checkpoints
+import checkpoints.safetensors_io
+from model import GPT, GPTConfig
+
+CONFIGS = {
+    "2x2x32": GPTConfig(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=2),
+    "3x3x48-inner-relu": GPTConfig(vocab_size=517, n_positions=16, n_embd=48, n_layer=3, n_head=3, n_inner=20,
+                                   activation_function="relu", layer_norm_epsilon=1e-3),
+}  # fmt: skip
+SMALL = CONFIGS["2x2x32"]
+
+
+def our_model(config: GPTConfig = SMALL, seed: int = 0) -> GPT:
+    """A random model with every parameter (LayerNorms and biases too) moved off its init."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_transformers_reads_what_we_save(tmp_path, name):
+    config = CONFIGS[name]
+    model = our_model(config)
+    assert checkpoints.save(model, tmp_path / "ck") == tmp_path / "ck"
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "ck").eval()
+    assert hf.dtype == torch.float32
+    assert_same_logits(model, hf, random_ids(config.vocab_size, 2, config.n_positions), atol=1e-5)
+
+
+def test_round_trip_through_our_save_is_exact(tmp_path):
+    save_hf(tmp_path / "hf", seed=4, **{k: getattr(SMALL, k) for k in ("vocab_size", "n_positions", "n_embd",
+                                                                       "n_layer", "n_head")})  # fmt: skip
+    first = checkpoints.load(tmp_path / "hf")
+    checkpoints.save(first, tmp_path / "ours")
+    second = checkpoints.load(tmp_path / "ours")
+    assert second.config == first.config
+    ours, theirs = dict(second.named_parameters()), dict(first.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    # The file itself is the Hugging Face layout, tensor for tensor.
+    hf_file, our_file = (
+        load_file(tmp_path / "hf/model.safetensors"),
+        load_file(tmp_path / "ours/model.safetensors"),
+    )
+    assert our_file.keys() == hf_file.keys()
+    for key in hf_file:
+        assert torch.equal(our_file[key], hf_file[key]), key
+
+
+def stored(path) -> tuple[dict[str, str], dict[str, str]]:
+    """({file_key: safetensors dtype code}, metadata) of a file, read without loading the tensors."""
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_slice(k).get_dtype() for k in f.keys()}, f.metadata()  # noqa: SIM118
+
+
+def test_save_as_float16(tmp_path):
+    model = our_model()
+    checkpoints.save(model, tmp_path, dtype="float16")
+    dtypes, metadata = stored(tmp_path / "model.safetensors")
+    assert set(dtypes.values()) == {"F16"} and len(dtypes) == len(list(model.parameters()))
+    assert metadata == {"format": "pt"}  # transformers refuses safetensors files without it
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "gpt2" and raw["dtype"] == "float16"
+    assert raw["architectures"] == ["GPT2LMHeadModel"] and raw["tie_word_embeddings"] is True
+    sizes = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function")
+    assert {k: raw[k] for k in sizes} == {k: getattr(SMALL, k) for k in sizes}
+    hf_config = transformers.GPT2Config.from_pretrained(tmp_path)
+    assert (hf_config.n_embd, hf_config.n_layer, hf_config.n_head) == (32, 2, 2)
+    loaded = checkpoints.load(tmp_path)
+    assert loaded.wte.weight.dtype == torch.float32
+    assert torch.equal(loaded.wte.weight, model.wte.weight.half().float())
+
+
+def test_default_dtype_is_the_models_own(tmp_path):
+    checkpoints.save(our_model().to(torch.bfloat16), tmp_path)
+    assert set(stored(tmp_path / "model.safetensors")[0].values()) == {"BF16"}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(("model_dtype", "dtype", "shown"), [
+    (torch.float32, "int8", "'int8'"), (torch.float32, torch.float64, "torch.float64"),
+    (torch.float64, None, "torch.float64"),
+])  # fmt: skip
+def test_unsupported_dtype(tmp_path, model_dtype, dtype, shown):
+    with pytest.raises(ValueError, match=f"unsupported dtype {shown}"):
+        checkpoints.save(our_model().to(model_dtype), tmp_path / "ck", dtype=dtype)
+    assert not (tmp_path / "ck").exists()  # refused before anything is written
+
+
+def test_no_temporary_files_are_left(tmp_path):
+    checkpoints.save(our_model(), tmp_path / "a" / "b")  # parents are created
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_saving_over_a_checkpoint_replaces_it(tmp_path):
+    checkpoints.save(our_model(CONFIGS["3x3x48-inner-relu"], seed=1), tmp_path)
+    new = our_model(SMALL, seed=2)
+    checkpoints.save(new, tmp_path)
+    loaded = checkpoints.load(tmp_path)
+    assert loaded.config == SMALL
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, dict(new.named_parameters())[name]), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    old = our_model(seed=1)
+    checkpoints.save(old, tmp_path)
+
+    def disk_full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(checkpoints.safetensors_io, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.save(our_model(seed=2), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(checkpoints.load(tmp_path).wte.weight, old.wte.weight)
+
+
+def test_saving_over_a_sharded_checkpoint_replaces_it(tmp_path):
+    hf = save_hf(tmp_path / "tmp", n_layer=2, n_head=2, n_embd=32, vocab_size=300, n_positions=32)
+    hf.save_pretrained(tmp_path / "ck", max_shard_size="20KB")
+    new = our_model(seed=5)
+    assert (tmp_path / "ck" / "model.safetensors.index.json").exists()
+    checkpoints.save(new, tmp_path / "ck")
+    assert torch.equal(checkpoints.load(tmp_path / "ck").wte.weight, new.wte.weight)
+    assert not [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("model-")]
