@@ -40,9 +40,17 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- worker side: one library, one dtype
 
 
-def _worker(kind: str, directory: str, dtype_name: str) -> None:
-    import resource
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM; getrusage's ru_maxrss would include the parent's,
+    which a child inherits across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
+
+def _worker(kind: str, directory: str, dtype_name: str) -> None:
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -100,7 +108,7 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
         else:
             break
         seconds = time.perf_counter() - t0
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        rss = _peak_rss()
         print(json.dumps({"seconds": seconds, "tokens": tokens, "peak_rss": rss}), flush=True)
 
 

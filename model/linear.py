@@ -26,15 +26,19 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gptgen-linear")
 
 
+def _linear_no_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    with torch.no_grad():  # grad mode is per thread: the pool's threads must not record autograd either
+        return F.linear(x, weight, bias)
+
+
 def split_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the weight's rows split into ``parts`` products run concurrently."""
     weights = weight.chunk(parts)
     biases = bias.chunk(parts) if bias is not None else [None] * parts
-    futures = [
-        _pool(parts - 1).submit(F.linear, x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)
-    ]
+    pool = _pool(parts - 1)
+    futures = [pool.submit(_linear_no_grad, x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)]
     first = F.linear(x, weights[0], biases[0])  # the calling thread does one part itself
     return torch.cat([first, *(f.result() for f in futures)], dim=-1)
 
