@@ -50,6 +50,19 @@ def request_bytes(config: GPTConfig, batch: int, cache_len: int, prompt_len: int
     return cache + per_row_vocab + prefill
 
 
+def _check_memory(
+    config: GPTConfig, batch: int, cache_len: int, prompt_len: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    needed, free = request_bytes(config, batch, cache_len, prompt_len, dtype), available_memory(device)
+    if free is not None and needed > free:
+        raise MemoryError(
+            f"this request needs about {needed / 2**20:,.0f} MiB ({batch} rows x {cache_len} positions of KV "
+            f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "
+            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer prompts per batch "
+            "or fewer new tokens"
+        )
+
+
 def _generators(seeds: Sequence[int | None], device: torch.device) -> list[torch.Generator]:
     gens = []
     for seed in seeds:
@@ -105,17 +118,7 @@ class Decoder:
         b, longest = len(prompts), max(len(p) for p in prompts)
         self.lengths = [len(p) for p in prompts]  # each row's own sequence length, padding excluded
         cache_len = min(cfg.n_positions, longest + max_new_tokens)
-        needed, free = (
-            request_bytes(cfg, b, cache_len, longest, dtype),
-            available_memory(device),
-        )
-        if free is not None and needed > free:
-            raise MemoryError(
-                f"this request needs about {needed / 2**20:,.0f} MiB ({b} rows x {cache_len} positions of KV "
-                f"cache, {KVCache.bytes_per_token(cfg, dtype):,} bytes each, plus working memory) but "
-                f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer prompts per batch "
-                "or fewer new tokens"
-            )
+        _check_memory(cfg, b, cache_len, longest, dtype, device)
         self.cache = KVCache(cfg, b, cache_len, dtype=dtype, device=device)
         self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=device)
         self.padded = any(len(p) != longest for p in prompts)
@@ -130,11 +133,12 @@ class Decoder:
         for i, p in enumerate(prompts):
             self.seen[i, torch.tensor(p)] = True
         self._pending: torch.Tensor | None = None
-        with torch.inference_mode():
-            self._logits = self._forward(ids)  # prefill: the whole prompt in one call
         if max_new_tokens == 0:
             for row in self.rows:
                 row.finish_reason = "length"
+            return
+        with torch.inference_mode():
+            self._logits = self._forward(ids)  # prefill: the whole prompt in one call
 
     @property
     def done(self) -> bool:
