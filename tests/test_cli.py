@@ -1,0 +1,274 @@
+"""The ``generate`` command: in process through ``generate.cli.main`` and as ``python -m generate``."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import checkpoints
+import generate
+from conftest import make_model
+from generate.cli import main
+from model import GPTConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)
+CLI_DEFAULTS = {"temperature": 0.8, "top_p": 0.95}  # the command's sampling defaults
+SAMPLING_FLAGS = (
+    "--temperature",
+    "--top-k",
+    "--top-p",
+    "--min-p",
+    "--repetition-penalty",
+    "--presence-penalty",
+    "--frequency-penalty",
+    "--seed",
+    "--stop",
+    "--max-new-tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("cli") / "ck"
+    checkpoints.save(make_model(CONFIG, seed=0, std=0.3), directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def gen(ckpt) -> generate.Generator:
+    return generate.load(ckpt)
+
+
+def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "generate", *args],
+        cwd=ROOT,
+        env=env,
+        input=stdin if stdin is not None else b"",
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def set_stdin(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+def json_lines(out: str) -> list[dict]:
+    lines = out.splitlines()
+    assert lines
+    return [json.loads(line) for line in lines]
+
+
+def assert_one_error_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# --- JSON output -----------------------------------------------------------------------------------------
+
+
+def test_json_output_has_one_object_per_completion(ckpt, gen, capsys):
+    assert main(["Hello world", "-c", ckpt, "--json", "-n", "7", "--seed", "3"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    assert {"text", "token_ids", "finish_reason", "timing"} <= set(record)
+    assert record["prompt"] == "Hello world"
+    assert record["finish_reason"] == "length"
+    assert len(record["token_ids"]) == 7
+    assert set(record["timing"]) == {"batch_seconds", "batch_size", "batch_tokens_per_second"}
+    expected = gen.generate("Hello world", max_new_tokens=7, seed=3, **CLI_DEFAULTS)
+    assert record["text"] == expected.text
+    assert record["token_ids"] == expected.token_ids
+    assert "logprobs" not in record
+
+
+def test_num_samples_gives_one_object_per_sample_with_seed_plus_k(ckpt, gen, capsys):
+    assert main(["Hello", "-c", ckpt, "--json", "-n", "6", "--seed", "5", "--num-samples", "2"]) == 0
+    records = json_lines(capsys.readouterr().out)
+    assert len(records) == 2
+    assert [r["sample"] for r in records] == [0, 1]
+    for k, record in enumerate(records):
+        assert record["text"] == gen.generate("Hello", max_new_tokens=6, seed=5 + k, **CLI_DEFAULTS).text
+    assert records[0]["token_ids"] != records[1]["token_ids"]
+
+
+def test_json_logprobs(ckpt, gen, capsys):
+    assert main(["Hi", "-c", ckpt, "--json", "-n", "5", "-t", "0", "--logprobs"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    expected = gen.generate("Hi", max_new_tokens=5, temperature=0, logprobs=True)
+    assert record["logprobs"] == pytest.approx(expected.logprobs, abs=1e-6)
+    assert len(record["logprobs"]) == len(record["token_ids"])
+
+
+def test_greedy_output_equals_the_api(ckpt, gen, capsys):
+    assert main(["The quick brown fox", "-c", ckpt, "--json", "-n", "12", "--temperature", "0"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    expected = gen.generate("The quick brown fox", max_new_tokens=12, temperature=0)
+    assert record["text"] == expected.text
+    assert record["token_ids"] == expected.token_ids
+
+
+def test_prompts_file_gives_one_object_per_prompt_in_order(ckpt, gen, capsys, tmp_path):
+    prompts = ["First prompt", "Second, longer prompt here", "x", "Fourth café ✓"]
+    path = tmp_path / "prompts.txt"
+    lines = ["First prompt", "", "Second, longer prompt here", "   ", "x", "", "Fourth café ✓"]
+    path.write_text("\n".join(lines) + "\n\n", encoding="utf-8")
+    args = ["--prompts-file", str(path), "-c", ckpt, "--json", "-t", "0", "-n", "5", "--batch-size", "3"]
+    assert main(args) == 0
+    records = json_lines(capsys.readouterr().out)
+    assert [r["prompt"] for r in records] == prompts
+    expected = gen.generate(prompts, max_new_tokens=5, temperature=0)
+    assert [r["text"] for r in records] == [e.text for e in expected]
+    assert [r["token_ids"] for r in records] == [e.token_ids for e in expected]
+
+
+def test_a_prompts_file_of_blank_lines_is_an_error(ckpt, capsys, tmp_path):
+    path = tmp_path / "blank.txt"
+    path.write_text("\n  \n\n", encoding="utf-8")
+    assert main(["--prompts-file", str(path), "-c", ckpt]) == 1
+    line = assert_one_error_line(capsys.readouterr().err)
+    assert "has no prompts" in line
+    assert str(path) in line
+
+
+def test_prompt_from_stdin_when_absent(ckpt, gen, capsys, monkeypatch):
+    set_stdin(monkeypatch, "Hello wörld\n".encode())
+    assert main(["-c", ckpt, "--json", "-t", "0", "-n", "4"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    assert record["prompt"] == "Hello wörld"  # the one trailing newline is dropped
+    assert record["text"] == gen.generate("Hello wörld", max_new_tokens=4, temperature=0).text
+
+
+def test_prompt_from_stdin_with_dash_in_a_subprocess(ckpt, gen):
+    result = run_cli("-", "-c", ckpt, "--json", "-t", "0", "-n", "6", stdin=b"Once upon a time\n")
+    assert result.returncode == 0, result.stderr.decode()
+    [record] = json_lines(result.stdout.decode("utf-8"))
+    assert record["prompt"] == "Once upon a time"
+    expected = gen.generate("Once upon a time", max_new_tokens=6, temperature=0)
+    assert record["text"] == expected.text
+    assert record["token_ids"] == expected.token_ids
+
+
+# --- plain output ----------------------------------------------------------------------------------------
+
+
+def test_streaming_prints_the_completion_and_a_newline(ckpt, gen):
+    result = run_cli("To be, or not to be", "-c", ckpt, "-n", "15", "--seed", "4")
+    assert result.returncode == 0, result.stderr.decode()
+    expected = gen.generate("To be, or not to be", max_new_tokens=15, seed=4, **CLI_DEFAULTS)
+    assert expected.text
+    assert result.stdout.decode("utf-8") == expected.text + "\n"
+    assert result.stderr == b""
+
+
+def test_streaming_in_process_with_a_stop_string(ckpt, gen, capsys):
+    full = gen.generate("To be", max_new_tokens=15, seed=4, **CLI_DEFAULTS).text
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
+    assert main(["To be", "-c", ckpt, "-n", "15", "--seed", "4", "--stop", stop]) == 0
+    out = capsys.readouterr().out
+    assert out == full[: full.index(stop)] + "\n"
+
+
+def test_no_stream_prints_the_same_text(ckpt, gen, capsys):
+    assert main(["To be", "-c", ckpt, "-n", "10", "--seed", "8", "--no-stream"]) == 0
+    expected = gen.generate("To be", max_new_tokens=10, seed=8, **CLI_DEFAULTS)
+    assert capsys.readouterr().out == expected.text + "\n"
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (["--top-p", "2"], "top_p=2.0"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (["--top-k", "-3"], "top_k=-3"),
+        (["--min-p", "1"], "min_p=1.0"),
+        (["--repetition-penalty", "0"], "repetition_penalty=0.0"),
+        (["--presence-penalty", "3"], "presence_penalty=3.0"),
+        (["--frequency-penalty", "-3"], "frequency_penalty=-3.0"),
+        (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
+        (["--dtype", "int4"], "int4"),
+        (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--stop", ""], "--stop needs a non-empty string"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--top-k", "2.5"], "invalid int value: '2.5'"),
+        (["--temperature", "warm"], "invalid float value: 'warm'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, mentions, ckpt, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["Hello", "-c", ckpt, *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    line = assert_one_error_line(captured.err)
+    assert line.startswith("generate: error: ")
+    assert mentions in line
+    assert captured.out == ""
+
+
+def test_a_prompt_and_a_prompts_file_together_exit_2(ckpt, capsys, tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["Hello", "--prompts-file", str(path), "-c", ckpt])
+    assert exit_info.value.code == 2
+    assert "not both" in assert_one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [(["--top-p", "2"], "top_p=2.0 is out of range"), (["--bogus"], "unrecognized arguments: --bogus")],
+)
+def test_bad_arguments_in_a_subprocess(args, mentions, ckpt):
+    result = run_cli("Hello", "-c", ckpt, *args)
+    assert result.returncode == 2
+    line = assert_one_error_line(result.stderr.decode())
+    assert mentions in line
+    assert result.stdout == b""
+
+
+def test_a_missing_checkpoint_exits_1_naming_the_path(tmp_path):
+    missing = tmp_path / "no" / "such" / "checkpoint"
+    result = run_cli("Hello", "-c", str(missing), "-n", "2")
+    assert result.returncode == 1
+    line = assert_one_error_line(result.stderr.decode())
+    assert line.startswith("generate: error: ")
+    assert str(missing) in line
+    assert result.stdout == b""
+
+
+def test_invalid_utf8_on_stdin_exits_with_one_line(ckpt):
+    result = run_cli("-c", ckpt, "-n", "2", stdin=b"caf\xe9 \xff\n")
+    assert result.returncode != 0
+    line = assert_one_error_line(result.stderr.decode())
+    assert "not valid UTF-8" in line
+    assert result.stdout == b""
+
+
+def test_invalid_utf8_on_stdin_in_process(ckpt, capsys, monkeypatch):
+    set_stdin(monkeypatch, b"ok \xc3\x28")
+    assert main(["-c", ckpt, "-n", "2"]) == 1
+    line = assert_one_error_line(capsys.readouterr().err)
+    assert "standard input is not valid UTF-8 (byte 3)" in line
+
+
+def test_help_mentions_every_sampling_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in SAMPLING_FLAGS:
+        assert flag in out, flag
+    assert "usage: generate" in out

@@ -1,0 +1,332 @@
+"""Sampling: parameter validation, penalties, temperature, top-k / top-p / min-p filters and token choice."""
+
+import math
+
+import pytest
+import torch
+
+from generate.sampling import SamplingParams, apply_penalties, choose, filter_logits
+
+V = 20
+
+
+def random_logits(rows: int = 6, vocab: int = V, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def seeded(*seeds: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+# --- brute-force references (float64, one row at a time) ---------------------------------------------
+
+
+def allowed_set(row: torch.Tensor, params: SamplingParams) -> set[int]:
+    """The tokens the filters keep, computed from their definitions, applied in the documented order."""
+    scaled = row.double() / params.temperature
+    keep = list(range(row.numel()))
+    if params.top_k > 0:
+        keep = sorted(keep, key=lambda i: -scaled[i].item())[: params.top_k]
+    if params.top_p < 1.0:
+        probs = torch.softmax(scaled[keep], dim=0).tolist()
+        ranked = sorted(zip(probs, keep, strict=True), reverse=True)
+        total, prefix = 0.0, []
+        for p, i in ranked:  # the smallest prefix whose probability sum reaches top_p
+            prefix.append(i)
+            total += p
+            if total >= params.top_p:
+                break
+        keep = prefix
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled[keep], dim=0)
+        top = probs.max().item()
+        keep = [i for i, p in zip(keep, probs.tolist(), strict=True) if p >= params.min_p * top]
+    return set(keep)
+
+
+def finite_set(row: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(torch.isfinite(row)).flatten().tolist())
+
+
+# --- SamplingParams validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("min_p", 1.0),
+        ("min_p", -0.1),
+        ("min_p", math.inf),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.inf),
+        ("presence_penalty", 3.0),
+        ("presence_penalty", -3.0),
+        ("frequency_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("frequency_penalty", False),
+        ("temperature", "1.0"),
+    ],
+)
+def test_out_of_range_parameter_raises_naming_it(name, value):
+    with pytest.raises(ValueError, match=rf"^{name}=.* is out of range; {name} must be "):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0},
+        {"temperature": 2.5, "top_k": 1, "top_p": 1.0, "min_p": 0.0},
+        {"top_p": 1e-9, "min_p": 0.999},
+        {"repetition_penalty": 1e-3, "presence_penalty": -2, "frequency_penalty": 2},
+    ],
+)
+def test_in_range_parameters_are_accepted(kwargs):
+    params = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        assert getattr(params, name) == value
+
+
+def test_greedy_and_penalized_flags():
+    assert SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams().penalized
+    assert SamplingParams(repetition_penalty=1.1).penalized
+    assert SamplingParams(presence_penalty=0.5).penalized
+    assert SamplingParams(frequency_penalty=-0.5).penalized
+
+
+# --- filters --------------------------------------------------------------------------------------------
+
+FILTER_SETTINGS = [
+    SamplingParams(top_k=1),
+    SamplingParams(top_k=3),
+    SamplingParams(top_k=19),
+    SamplingParams(top_p=0.3),
+    SamplingParams(top_p=0.5),
+    SamplingParams(top_p=0.9),
+    SamplingParams(min_p=0.05),
+    SamplingParams(min_p=0.2),
+    SamplingParams(min_p=0.6),
+    SamplingParams(temperature=0.5, top_p=0.8),
+    SamplingParams(temperature=2.0, top_p=0.8),
+    SamplingParams(top_k=8, top_p=0.7),
+    SamplingParams(top_k=10, min_p=0.1),
+    SamplingParams(top_p=0.95, min_p=0.1),
+    SamplingParams(temperature=1.5, top_k=12, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("params", FILTER_SETTINGS, ids=repr)
+def test_filter_keeps_exactly_the_brute_force_set(params):
+    logits = random_logits(rows=8, seed=1)
+    out = filter_logits(logits, params)
+    for r in range(logits.shape[0]):
+        expected = allowed_set(logits[r], params)
+        assert finite_set(out[r]) == expected
+        # The survivors keep their temperature-scaled logits.
+        kept = sorted(expected)
+        torch.testing.assert_close(out[r, kept], logits[r, kept] / params.temperature)
+
+
+@pytest.mark.parametrize("params", FILTER_SETTINGS, ids=repr)
+def test_sampled_tokens_stay_in_the_allowed_set(params):
+    logits = random_logits(rows=4, seed=2)
+    allowed = [allowed_set(logits[r], params) for r in range(logits.shape[0])]
+    gens = seeded(10, 11, 12, 13)
+    drawn = [set() for _ in allowed]
+    for _ in range(500):
+        for r, token in enumerate(choose(logits, params, gens).tolist()):
+            drawn[r].add(token)
+    for r in range(logits.shape[0]):
+        assert drawn[r] <= allowed[r]
+        assert drawn[r]  # something was drawn
+
+
+def test_tiny_top_p_keeps_the_most_likely_token_only():
+    logits = random_logits(rows=5, seed=3)
+    out = filter_logits(logits, SamplingParams(top_p=1e-9))
+    for r in range(logits.shape[0]):
+        assert finite_set(out[r]) == {int(logits[r].argmax())}
+    draws = choose(logits, SamplingParams(top_p=1e-9), seeded(*range(5)))
+    assert draws.tolist() == logits.argmax(-1).tolist()
+
+
+def test_extreme_settings_keep_at_least_one_token():
+    # A near-zero temperature makes the softmax one-hot; min_p close to 1 keeps only the maximum.
+    logits = random_logits(rows=5, seed=4)
+    for params in (SamplingParams(min_p=0.999), SamplingParams(temperature=1e-4, top_p=0.01, min_p=0.99)):
+        out = filter_logits(logits, params)
+        assert torch.isfinite(out).sum(-1).tolist() == [1] * 5
+        assert out.argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
+def test_disabled_filters_keep_everything():
+    logits = random_logits(rows=3, seed=5)
+    out = filter_logits(logits, SamplingParams(top_k=0, top_p=1.0, min_p=0.0))
+    torch.testing.assert_close(out, logits)
+    # top_k equal to (or above) the vocabulary size is no filter either.
+    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V)), logits)
+    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V + 5)), logits)
+
+
+# --- temperature ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 3.0])
+def test_filter_divides_by_the_temperature(temperature):
+    logits = random_logits(rows=3, seed=6)
+    out = filter_logits(logits, SamplingParams(temperature=temperature))
+    torch.testing.assert_close(out, logits / temperature)
+
+
+def test_lower_temperature_is_sharper():
+    logits = random_logits(rows=4, seed=7)
+
+    def top_prob_and_entropy(t):
+        probs = torch.softmax(filter_logits(logits, SamplingParams(temperature=t)), -1)
+        entropy = -(probs * probs.log()).sum(-1)
+        return probs.max(-1).values, entropy
+
+    previous_top, previous_entropy = top_prob_and_entropy(4.0)
+    for t in (2.0, 1.0, 0.5, 0.1):
+        top, entropy = top_prob_and_entropy(t)
+        assert (top > previous_top).all()
+        assert (entropy < previous_entropy).all()
+        previous_top, previous_entropy = top, entropy
+
+
+def test_greedy_picks_the_argmax_without_using_generators():
+    logits = random_logits(rows=7, seed=8)
+    assert choose(logits, SamplingParams(temperature=0), []).tolist() == logits.argmax(-1).tolist()
+    # The filters do not matter when greedy.
+    greedy_filtered = SamplingParams(temperature=0, top_k=2, top_p=0.1, min_p=0.5)
+    assert choose(logits, greedy_filtered, []).tolist() == logits.argmax(-1).tolist()
+
+
+def test_very_low_temperature_sampling_is_the_argmax():
+    logits = random_logits(rows=6, seed=9)
+    draws = choose(logits, SamplingParams(temperature=1e-3), seeded(*range(6)))
+    assert draws.tolist() == logits.argmax(-1).tolist()
+
+
+# --- penalties ------------------------------------------------------------------------------------------
+
+
+def penalty_inputs():
+    logits = torch.tensor([[2.0, -1.5, 0.0, 0.5, -3.0, 1.0], [-0.5, 4.0, 1.5, -2.0, 0.0, 0.25]])
+    seen = torch.tensor([[True, True, True, False, False, True], [False, True, False, True, True, False]])
+    counts = torch.tensor([[2, 0, 1, 0, 0, 3], [0, 1, 0, 4, 2, 0]], dtype=torch.int32)
+    return logits, seen, counts
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits, seen, counts = penalty_inputs()
+    out = apply_penalties(logits, seen, counts, SamplingParams(repetition_penalty=2.0))
+    expected = logits.clone()
+    for r in range(2):
+        for v in range(logits.shape[1]):
+            if seen[r, v]:
+                x = logits[r, v].item()
+                expected[r, v] = x / 2.0 if x > 0 else x * 2.0
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # Spot checks: seen positive 2.0 -> 1.0, seen negative -1.5 -> -3.0, unseen 0.5 unchanged.
+    assert out[0, 0].item() == 1.0
+    assert out[0, 1].item() == -3.0
+    assert out[0, 3].item() == 0.5
+    assert out[1, 1].item() == 2.0  # seen 4.0
+    assert out[1, 0].item() == -0.5  # unseen negative
+
+
+def test_repetition_penalty_below_one_rewards_seen_tokens():
+    logits, seen, counts = penalty_inputs()
+    out = apply_penalties(logits, seen, counts, SamplingParams(repetition_penalty=0.5))
+    assert out[0, 0].item() == 4.0
+    assert out[0, 1].item() == -0.75
+    assert torch.equal(out[~seen], logits[~seen])
+
+
+def test_presence_penalty_subtracts_once_for_any_count():
+    logits, seen, counts = penalty_inputs()
+    out = apply_penalties(logits, seen, counts, SamplingParams(presence_penalty=0.75))
+    expected = logits - 0.75 * (counts > 0).float()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert out[0, 5].item() == 1.0 - 0.75  # count 3: subtracted once, not three times
+    assert out[0, 1].item() == -1.5  # seen (in the prompt) but count 0: untouched
+
+
+def test_frequency_penalty_subtracts_count_times_penalty():
+    logits, seen, counts = penalty_inputs()
+    out = apply_penalties(logits, seen, counts, SamplingParams(frequency_penalty=0.5))
+    expected = logits - 0.5 * counts.float()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert out[1, 3].item() == -2.0 - 4 * 0.5
+
+
+def test_negative_presence_and_frequency_penalties_raise_logits():
+    logits, seen, counts = penalty_inputs()
+    out = apply_penalties(logits, seen, counts, SamplingParams(presence_penalty=-1.0, frequency_penalty=-0.5))
+    torch.testing.assert_close(out, logits + (counts > 0).float() + 0.5 * counts.float(), rtol=0, atol=0)
+
+
+def test_all_penalties_compose_in_the_documented_order():
+    logits, seen, counts = penalty_inputs()
+    params = SamplingParams(repetition_penalty=1.5, presence_penalty=0.25, frequency_penalty=0.125)
+    out = apply_penalties(logits, seen, counts, params)
+    expected = torch.empty_like(logits)
+    for r in range(2):
+        for v in range(logits.shape[1]):
+            x = logits[r, v].item()
+            if seen[r, v]:
+                x = x / 1.5 if x > 0 else x * 1.5
+            c = int(counts[r, v])
+            x = x - 0.25 * (c > 0) - 0.125 * c
+            expected[r, v] = x
+    torch.testing.assert_close(out, expected)
+
+
+def test_no_penalty_returns_the_logits_unchanged():
+    logits, seen, counts = penalty_inputs()
+    assert apply_penalties(logits, seen, counts, SamplingParams()) is logits
+
+
+# --- per-row generators ---------------------------------------------------------------------------------
+
+
+def test_a_rows_draws_depend_only_on_its_own_generator():
+    params = SamplingParams(temperature=1.0)
+    row = random_logits(rows=1, seed=20, scale=0.5)  # flat: many plausible tokens
+    others = [random_logits(rows=2, seed=21, scale=0.5), random_logits(rows=3, seed=22, scale=3.0)]
+
+    def draws(batch, position, gens, n=40):
+        return [choose(batch, params, gens)[position].item() for _ in range(n)]
+
+    alone = draws(row, 0, seeded(123))
+    first = draws(torch.cat([row, others[0]]), 0, seeded(123, 7, 8))
+    middle = draws(torch.cat([others[1][:1], row, others[1][1:]]), 1, seeded(99, 123, 5))
+    last = draws(torch.cat([others[1], row]), 3, seeded(1, 2, 3, 123))
+    assert alone == first == middle == last
+    assert len(set(alone)) > 3  # really sampled, not a constant
+    assert draws(row, 0, seeded(124)) != alone  # and another seed gives other draws
+
+
+def test_rows_with_equal_logits_and_seeds_draw_the_same_tokens():
+    row = random_logits(rows=1, seed=30, scale=0.5)
+    batch = row.expand(3, -1).contiguous()
+    gens = seeded(5, 5, 6)
+    drawn = torch.stack([choose(batch, SamplingParams(), gens) for _ in range(30)])  # (30, 3)
+    assert torch.equal(drawn[:, 0], drawn[:, 1])
+    assert not torch.equal(drawn[:, 0], drawn[:, 2])
