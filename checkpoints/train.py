@@ -15,6 +15,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=16, help="held-out windows in periodic evaluation")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument(
+        "--evaluate-only",
+        action="store_true",
+        help="do not train: re-evaluate the checkpoint in --out and rewrite its training.json and card",
+    )
     return p.parse_args(argv)
 
 
@@ -72,7 +78,12 @@ def batch(tokens: np.ndarray, step: int, args: argparse.Namespace) -> tuple[torc
 
 @torch.no_grad()
 def heldout_loss(model: GPT, tokens: np.ndarray, context: int, windows: int | None, bf16: bool) -> float:
-    """Mean next-token loss over consecutive non-overlapping windows of the held-out tokens."""
+    """Mean next-token loss over consecutive non-overlapping windows of the held-out tokens (eval mode).
+
+    The model's mode is restored afterwards: a model that came in for inference must not leave with
+    dropout switched on.
+    """
+    was_training = model.training
     model.eval()
     n = (len(tokens) - 1) // context if windows is None else windows
     total, count = 0.0, 0
@@ -83,7 +94,7 @@ def heldout_loss(model: GPT, tokens: np.ndarray, context: int, windows: int | No
             logits = model(xy[:, :-1])
         total += F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="sum").item()
         count += xy[:, 1:].numel()
-    model.train()
+    model.train(was_training)
     return total / count
 
 
@@ -138,7 +149,10 @@ def _keep_best(model: GPT, step: int, val_loss: float, work: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Train (or resume), then write the 16-bit checkpoint and its model card to ``--out``."""
     args = _parse(argv)
-    command = "python -m checkpoints.train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "-m", "checkpoints.train", *(sys.argv[1:] if argv is None else argv)])
+    if args.evaluate_only:
+        reevaluate(args)
+        return
     torch.manual_seed(args.seed)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     train, val = prepare(args.work_dir)
@@ -180,6 +194,31 @@ def main(argv: list[str] | None = None) -> None:
     finish(model, args, train, val, command, train_loss=float(np.mean(losses[-50:])) if losses else None)
 
 
+def evaluate_shipped(out: Path, train: np.ndarray, val: np.ndarray) -> dict[str, Any]:
+    """Evaluate the checkpoint in ``out`` as it ships (16-bit weights, fp32 compute, eval mode)."""
+    shipped = load(out, dtype=torch.float32)
+    val_loss = heldout_loss(shipped, val, shipped.config.n_positions, None, bf16=False)
+    slice_ids = val[: min(SLICE_TOKENS, shipped.config.n_positions) + 1].astype(np.int64)
+    with torch.no_grad():
+        logits = shipped(torch.from_numpy(slice_ids[None, :-1]))
+        slice_loss = F.cross_entropy(logits[0], torch.from_numpy(slice_ids[1:])).item()
+    return {
+        "held_out_loss": val_loss,
+        "held_out_perplexity": math.exp(val_loss),
+        "unigram_held_out_loss": unigram_loss(train, val, shipped.config.vocab_size),
+        "held_out_slice": {"token_ids": slice_ids.tolist(), "loss": slice_loss},
+        "parameters": shipped.num_parameters(),
+    }
+
+
+def write_facts(out: Path, facts: dict[str, Any]) -> None:
+    """Write ``training.json`` and the model card from the same facts, and print the headline figures."""
+    (out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
+    write_card(out, facts)
+    print(f"held-out loss {facts['held_out_loss']:.4f} (perplexity {facts['held_out_perplexity']:.1f}), "
+          f"unigram {facts['unigram_held_out_loss']:.4f}; wrote {out}", flush=True)  # fmt: skip
+
+
 def finish(
     model: GPT,
     args: argparse.Namespace,
@@ -192,12 +231,6 @@ def finish(
     best = json.loads((args.work_dir / "best.json").read_text())
     model.load_state_dict(load_file(str(args.work_dir / "best.safetensors")))
     save(model, args.out, dtype=torch.float16)
-    shipped = load(args.out, dtype=torch.float32)
-    val_loss = heldout_loss(shipped, val, args.context, None, bf16=False)
-    slice_ids = val[: SLICE_TOKENS + 1].astype(np.int64)
-    with torch.no_grad():
-        logits = shipped(torch.from_numpy(slice_ids[None, :-1]))
-        slice_loss = F.cross_entropy(logits[0], torch.from_numpy(slice_ids[1:])).item()
     facts = {
         "corpus": PACKAGE,
         "held_out_works": list(HELD_OUT),
@@ -207,17 +240,18 @@ def finish(
         "best_step": best["step"],
         "tokens_seen": args.steps * args.batch_size * args.context,
         "final_train_loss": train_loss,
-        "held_out_loss": val_loss,
-        "held_out_perplexity": math.exp(val_loss),
-        "unigram_held_out_loss": unigram_loss(train, val, model.config.vocab_size),
-        "held_out_slice": {"token_ids": slice_ids.tolist(), "loss": slice_loss},
-        "parameters": model.num_parameters(),
+        **evaluate_shipped(args.out, train, val),
         "command": command,
     }
-    (args.out / "training.json").write_text(json.dumps(facts, indent=1) + "\n")
-    write_card(args.out, facts)
-    print(f"held-out loss {val_loss:.4f} (perplexity {math.exp(val_loss):.1f}), unigram "
-          f"{facts['unigram_held_out_loss']:.4f}; wrote {args.out}", flush=True)  # fmt: skip
+    write_facts(args.out, facts)
+
+
+def reevaluate(args: argparse.Namespace) -> None:
+    """Recompute the evaluation figures of an already shipped checkpoint, keeping its training facts."""
+    train, val = prepare(args.work_dir)
+    facts = json.loads((args.out / "training.json").read_text())
+    facts.update(evaluate_shipped(args.out, train, val))
+    write_facts(args.out, facts)
 
 
 if __name__ == "__main__":

@@ -42,5 +42,22 @@ def write_card(out: Path, facts: dict[str, Any]) -> None:
         f"The loss on the first {len(facts['held_out_slice']['token_ids']) - 1} held-out tokens is "
         f"{facts['held_out_slice']['loss']:.6f}; `training.json` records the ids, and a test recomputes it.",
         "",
+        *_why_this_size(facts),
+        *_samples(facts.get("samples", [])),
     ]
     (out / "README.md").write_text("\n".join(lines))
+
+
+def _why_this_size(facts: dict[str, Any]) -> list[str]:
+    reason = facts.get("size_rationale")
+    return ["## Why this size", "", reason, ""] if reason else []
+
+
+def _samples(samples: list[dict[str, str]]) -> list[str]:
+    """Unedited samples, each under the exact command (and seed) that printed it."""
+    if not samples:
+        return []
+    lines = ["## Samples (unedited)", ""]
+    for sample in samples:
+        lines += [f"`{sample['command']}`", "", "```text", sample["prompt"] + sample["text"], "```", ""]
+    return lines
