@@ -146,8 +146,13 @@ class Decoder:
         return all(row.finish_reason is not None for row in self.rows)
 
     def finish(self, row: int, reason: str) -> None:
-        """Mark a row finished (e.g. a stop string appeared in its text); it takes no further steps."""
-        if self.rows[row].finish_reason is None:
+        """Mark a row finished (e.g. a stop string appeared in its text); it takes no further steps.
+
+        ``"stop"`` also replaces ``"length"``: when the token that spent the budget completes a stop
+        string, the text is cut by the stop string, so that is why it ended.
+        """
+        current = self.rows[row].finish_reason
+        if current is None or (current == "length" and reason == "stop"):
             self.rows[row].finish_reason = reason
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:

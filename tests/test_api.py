@@ -283,11 +283,6 @@ def test_a_non_string_stop_raises(gen):
         gen.generate("Hello", max_new_tokens=3, stop=["ok", 3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: when the token that completes a stop string is also the last one max_new_tokens "
-    "allows, the engine marks the row 'length' first and Decoder.finish(row, 'stop') does not override it",
-)
 def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(gen):
     # The text is cut by the stop string, so the reason is "stop", even though the budget was also spent.
     full = gen.generate("Hello world", max_new_tokens=9, temperature=0)

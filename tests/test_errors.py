@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -251,14 +250,14 @@ def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatc
 
 def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):
     directory = tmp_path / "slow"
-    checkpoints.save(make_model(GPTConfig(n_layer=4, n_head=4, n_embd=64, n_positions=1024)), directory)
+    # Big enough that 1000 tokens take seconds, so the signal surely lands mid-stream.
+    checkpoints.save(make_model(GPTConfig(n_layer=8, n_head=4, n_embd=256, n_positions=1024)), directory)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "generate", "Once", "-c", str(directory), "-n", "1000"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.stdout.read(1)  # streaming has begun
-    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
