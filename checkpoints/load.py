@@ -12,7 +12,7 @@ import torch
 from checkpoints.errors import CheckpointError
 from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
-from checkpoints.safetensors_io import FILE_DTYPES, file_shape, iter_tensors, model_key, read_header
+from checkpoints.safetensors_io import FILE_DTYPES, PREFIX, file_shape, iter_tensors, model_key, read_header
 from model import GPT, GPTConfig
 from model.quant import quantize_int8
 
@@ -147,6 +147,13 @@ def _plan(model: GPT, files: list[Path]) -> dict[Path, dict[str, str]]:
         plan[path] = {}
         for file_key, info in read_header(path).items():
             name = model_key(file_key)
+            if file_key.removeprefix(PREFIX) == "lm_head.weight":  # not read (tied to wte), but must fit it
+                want = tuple(expected["wte.weight"].shape)
+                if tuple(info.get("shape", ())) != want:
+                    raise CheckpointError(
+                        f"{path}: tensor {file_key} has shape {tuple(info.get('shape', ()))} but the "
+                        f"output head is tied to wte, {want}; the config.json does not describe these weights"
+                    )
             if name is None:
                 continue
             if name not in expected:

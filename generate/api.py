@@ -11,7 +11,7 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine import Decoder
+from generate.engine import Decoder, check_prompts, check_seed
 from generate.sampling import SamplingParams
 from generate.text import TextTracker
 from model import GPT
@@ -61,9 +61,9 @@ class Generator:
         return self.tokenizer.encode_ordinary(prompt) or [checkpoints.EOT_ID]
 
     def _run(
-        self, prompts: Sequence[str], options: dict, seed: int | Sequence[int | None] | None
+        self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None
     ) -> PyGenerator[tuple[int, str], None, list[Completion]]:
-        """Yield (row, settled text) as tokens arrive; return the completions."""
+        """Run encoded prompts as one batch: yield (row, settled text) as it comes; return completions."""
         stop = options.pop("stop")
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         for s in stop:
@@ -72,13 +72,14 @@ class Generator:
         max_new_tokens = options.pop("max_new_tokens")
         logprobs = options.pop("logprobs")
         sampling = SamplingParams(**options)
-        ids = [self.encode(p) for p in prompts]
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(ids)
+        if len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
+        # Only ids the tokenizer can spell are chosen (a checkpoint may pad its vocabulary, e.g. to 50304).
         decoder = Decoder(self.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, seeds=seeds,
-                          eos_id=checkpoints.EOT_ID, logprobs=logprobs)  # fmt: skip
-        texts = [TextTracker(self.tokenizer.decode_single_token_bytes, stop) for _ in prompts]
+                          eos_id=checkpoints.EOT_ID, logprobs=logprobs,
+                          vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
+        texts = [TextTracker(self.tokenizer.decode_single_token_bytes, stop) for _ in ids]
         while not decoder.done:
             for row, token in enumerate(decoder.step()):
                 if token is None:
@@ -140,19 +141,23 @@ class Generator:
                        min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                        frequency_penalty=frequency_penalty, stop=stop, logprobs=logprobs)  # fmt: skip
         if isinstance(prompt, str):
-            return self._drain(self._run([prompt], options, seed))[0]
-        prompts = list(prompt)
-        if not prompts:
+            return self._drain(self._run([self.encode(prompt)], options, seed))[0]
+        ids = [self.encode(p) for p in prompt]
+        if not ids:
             return []  # a batch of no prompts has no completions
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(ids)
+        if len(seeds) != len(ids):
+            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
+        for s in seeds:
+            check_seed(s)
+        # Every prompt is checked before the first batch runs, and an error names it by its index in `prompt`.
+        check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
         out: list[Completion] = []
-        for start in range(0, len(prompts), batch_size):
+        for start in range(0, len(ids), batch_size):
             chunk = slice(start, start + batch_size)
-            out.extend(self._drain(self._run(prompts[chunk], dict(options), seeds[chunk])))
+            out.extend(self._drain(self._run(ids[chunk], dict(options), seeds[chunk])))
         return out
 
     @staticmethod
@@ -184,7 +189,7 @@ class Generator:
         if unknown:
             raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; see Generator.generate")
         full.update(options)
-        run = self._run([prompt], full, seed)
+        run = self._run([self.encode(prompt)], full, seed)
         while True:
             try:
                 _, piece = next(run)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,9 +65,26 @@ def _check_memory(
         )
 
 
+def check_seed(seed: object) -> int | None:
+    """Return ``seed`` as an int (None stays None).
+
+    Raises:
+        ValueError: unless it is None or an integer (numpy integers too) in 0 .. 2**64 - 1.
+    """
+    if seed is None:
+        return None
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        value = -1
+    if isinstance(seed, bool) or not 0 <= value < 2**64:
+        raise ValueError(f"seed={seed!r} is out of range; a seed must be an integer in 0..2**64-1, or None")
+    return value
+
+
 def _generators(seeds: Sequence[int | None], device: torch.device) -> list[torch.Generator]:
     gens = []
-    for seed in seeds:
+    for seed in map(check_seed, seeds):
         g = torch.Generator(device=device)
         if seed is None:
             g.seed()  # nondeterministic
@@ -90,6 +109,8 @@ class Decoder:
         seeds: one seed per row (None: nondeterministic); a row's draws depend only on its own seed.
         eos_id: the token that ends a row (None: never ends early).
         logprobs: record the log-probability of each chosen token under the model's distribution.
+        vocab_limit: choose only ids below this (a tokenizer smaller than a vocabulary padded to a round
+            size, e.g. 50257 of 50304); None: the whole vocabulary.
 
     Raises:
         ValueError: for an empty prompt, a token id outside the vocabulary, a prompt that leaves no room in
@@ -108,12 +129,15 @@ class Decoder:
         seeds: Sequence[int | None],
         eos_id: int | None,
         logprobs: bool = False,
+        vocab_limit: int | None = None,
     ) -> None:
         cfg = model.config
         _check_request(prompts, max_new_tokens, cfg.vocab_size, cfg.n_positions)
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
-        self.model, self.sampling, self.eos_id, self.max_new_tokens = model, sampling, eos_id, max_new_tokens
+        self.model, self.sampling, self.eos_id = model, sampling, eos_id
+        self.max_new_tokens = int(max_new_tokens)
+        self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         dtype, device = model.compute_dtype, model.device
         b, longest = len(prompts), max(len(p) for p in prompts)
         self.lengths = [len(p) for p in prompts]  # each row's own sequence length, padding excluded
@@ -132,6 +156,7 @@ class Decoder:
         self.counts = torch.zeros(b, cfg.vocab_size, dtype=torch.int32, device=device)
         for i, p in enumerate(prompts):
             self.seen[i, torch.tensor(p)] = True
+        self.seen, self.counts = self.seen[:, : self.vocab], self.counts[:, : self.vocab]
         self._pending: torch.Tensor | None = None
         if max_new_tokens == 0:
             for row in self.rows:
@@ -160,7 +185,7 @@ class Decoder:
         # Without padding the mask is all ones: leaving it out lets attention skip building masks.
         mask = self.mask[:, :end] if self.padded else None
         logits = self.model(ids, cache=self.cache, attention_mask=mask, last_only=True)
-        return logits[:, -1].float()  # (B, V): only the last position went through the head
+        return logits[:, -1, : self.vocab].float()  # (B, V): only the last position went through the head
 
     def _make_room(self) -> None:
         # The cache spans the window but shorter rows still have room: drop the leading positions that are
@@ -229,22 +254,43 @@ class Decoder:
             row.finish_reason = "length"
 
 
-def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab: int, window: int) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
+    """Check one token id prompt against the model's vocabulary and window.
+
+    Raises:
+        ValueError: for an empty prompt, an id outside ``0..vocab-1``, or one that leaves no room to generate.
+    """
+    if len(prompt) == 0:
+        raise ValueError("the prompt has no tokens; start it with <|endoftext|> (id 50256) for none")
+    if len(prompt) >= window:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
+            f"room for at most {window - 1} prompt tokens; shorten the prompt"
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, window: int) -> None:
+    """:func:`check_prompt` for each prompt; the message says which (``prompt i``, counted from 0)."""
     if not prompts:
         raise ValueError("no prompts given; pass at least one")
     for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} has no tokens; start it with <|endoftext|> (id 50256) for none")
-        if len(p) >= window:
-            raise ValueError(
-                f"prompt {i} has {len(p)} tokens but the model's window is {window} positions, which leaves "
-                f"room for at most {window - 1} prompt tokens; shorten the prompt"
-            )
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+        try:
+            check_prompt(p, vocab, window)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+
+
+def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab: int, window: int) -> None:
+    if (
+        not isinstance(max_new_tokens, numbers.Integral)
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 0
+    ):
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_prompts(prompts, vocab, window)
 
 
 def generate_ids(

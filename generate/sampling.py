@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ class SamplingParams:
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
-                or not isinstance(value, (int, float))
+                or not isinstance(value, numbers.Real)
                 or not math.isfinite(value)
                 or not ok
             ):
@@ -49,10 +50,14 @@ class SamplingParams:
 
         def number(name: str) -> float:
             value = getattr(self, name)
-            return value if isinstance(value, (int, float)) and math.isfinite(value) else math.nan
+            return value if isinstance(value, numbers.Real) and math.isfinite(value) else math.nan
 
         check("temperature", number("temperature") >= 0, ">= 0 (0 means greedy)")
-        check("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 disables it)")
+        check(
+            "top_k",
+            isinstance(self.top_k, numbers.Integral) and self.top_k >= 0,
+            "an integer >= 0 (0 disables it)",
+        )
         check("top_p", 0 < number("top_p") <= 1, "in (0, 1] (1 disables it)")
         check("min_p", 0 <= number("min_p") < 1, "in [0, 1) (0 disables it)")
         check("repetition_penalty", number("repetition_penalty") > 0, "> 0 (1 disables it)")
@@ -88,7 +93,9 @@ def apply_penalties(
         penalised = torch.where(
             logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
         )
-        logits = torch.where(seen, penalised, logits)
+        # A tiny penalty can overflow a logit to infinity; keep it finite so the softmax stays defined.
+        limit = torch.finfo(logits.dtype).max
+        logits = torch.where(seen, penalised, logits).clamp(-limit, limit)
     if params.presence_penalty != 0.0:
         logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype)
     if params.frequency_penalty != 0.0:
@@ -97,7 +104,8 @@ def apply_penalties(
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Divide by the temperature and set the logits of tokens top-k, top-p and min-p exclude to ``-inf``.
+    """Shift each row's top logit to 0, divide by the temperature, and set the logits of tokens top-k, top-p
+    and min-p exclude to ``-inf`` (the shift leaves the distribution unchanged).
 
     Args:
         logits: (B, V) float logits (after penalties); ``params.temperature`` must be > 0.
@@ -106,7 +114,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Returns:
         (B, V) logits; at least the most likely token of each row stays finite.
     """
-    logits = logits / params.temperature
+    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -98,8 +98,8 @@ def test_nan_logits_are_reported_not_sampled():
 @pytest.mark.parametrize(
     ("prompts", "max_new", "match"),
     [
-        ([[1] * 64], 5, "prompt 0 has 64 tokens but the model's window is 64 positions"),
-        ([[1], []], 5, "prompt 1 has no tokens"),
+        ([[1] * 64], 5, "prompt 0: the prompt has 64 tokens but the model's window is 64 positions"),
+        ([[1], []], 5, "prompt 1: the prompt has no tokens"),
         ([[1, 500]], 5, r"token id 500 outside the vocabulary 0\.\.210"),
         ([[1]], -1, "max_new_tokens must be an integer >= 0, got -1"),
         ([], 5, "no prompts given"),

@@ -229,6 +229,30 @@ def test_shape_mismatch(ckpt):
         checkpoints.load(ckpt[0])
 
 
+def test_a_stored_output_head_is_accepted_when_it_fits_and_refused_when_not(ckpt):
+    # Older files store lm_head.weight (a copy of the tied wte): it is not read, but its shape is checked.
+    rewrite_weights(ckpt[0], lambda s: s.update({"lm_head.weight": s["transformer.wte.weight"].clone()}))
+    assert torch.equal(checkpoints.load(ckpt[0]).wte.weight, ckpt[1].wte.weight)
+    rewrite_weights(ckpt[0], lambda s: s.update({"lm_head.weight": torch.zeros(7, 3)}))
+    with pytest.raises(
+        CheckpointError,
+        match=r"lm_head\.weight has shape \(7, 3\) but the output head is tied to wte, \(50, 32\)",
+    ):
+        checkpoints.load(ckpt[0])
+
+
+def test_single_file_with_a_preset_name(ckpt, monkeypatch):
+    import model.config
+
+    # The real presets are 82M+ parameters; a tiny entry exercises the same lookup.
+    monkeypatch.setitem(model.config.PRESETS, "tiny", ckpt[1].config)
+    moved = ckpt[0].parent / "alone.safetensors"
+    (ckpt[0] / "model.safetensors").rename(moved)
+    loaded = checkpoints.load(moved, config="tiny")
+    assert loaded.config == ckpt[1].config
+    assert torch.equal(loaded.h[0].attn.c_attn.weight, ckpt[1].h[0].attn.c_attn.weight)
+
+
 @pytest.mark.parametrize(("dtype", "code"), [(torch.int32, "I32"), (torch.int8, "I8")])
 def test_unsupported_tensor_dtype(ckpt, dtype, code):
     rewrite_weights(ckpt[0], lambda s: s.update({"transformer.ln_f.weight": torch.ones(32, dtype=dtype)}))

@@ -137,9 +137,9 @@ def test_filter_keeps_exactly_the_brute_force_set(params):
     for r in range(logits.shape[0]):
         expected = allowed_set(logits[r], params)
         assert finite_set(out[r]) == expected
-        # The survivors keep their temperature-scaled logits.
+        # The survivors keep their logits, shifted so the top one is 0 and divided by the temperature.
         kept = sorted(expected)
-        torch.testing.assert_close(out[r, kept], logits[r, kept] / params.temperature)
+        torch.testing.assert_close(out[r, kept], (logits[r, kept] - logits[r].max()) / params.temperature)
 
 
 @pytest.mark.parametrize("params", FILTER_SETTINGS, ids=repr)
@@ -176,11 +176,12 @@ def test_extreme_settings_keep_at_least_one_token():
 
 def test_disabled_filters_keep_everything():
     logits = random_logits(rows=3, seed=5)
+    shifted = logits - logits.max(dim=-1, keepdim=True).values  # the only change: top logit moved to 0
     out = filter_logits(logits, SamplingParams(top_k=0, top_p=1.0, min_p=0.0))
-    torch.testing.assert_close(out, logits)
+    torch.testing.assert_close(out, shifted)
     # top_k equal to (or above) the vocabulary size is no filter either.
-    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V)), logits)
-    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V + 5)), logits)
+    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V)), shifted)
+    torch.testing.assert_close(filter_logits(logits, SamplingParams(top_k=V + 5)), shifted)
 
 
 # --- temperature ----------------------------------------------------------------------------------------
@@ -190,7 +191,29 @@ def test_disabled_filters_keep_everything():
 def test_filter_divides_by_the_temperature(temperature):
     logits = random_logits(rows=3, seed=6)
     out = filter_logits(logits, SamplingParams(temperature=temperature))
-    torch.testing.assert_close(out, logits / temperature)
+    torch.testing.assert_close(out, (logits - logits.max(dim=-1, keepdim=True).values) / temperature)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1e-40), SamplingParams(repetition_penalty=1e-300),
+     SamplingParams(repetition_penalty=1e300), SamplingParams(temperature=1e-30, repetition_penalty=1e-30)],
+    ids=repr,
+)  # fmt: skip
+def test_extreme_but_valid_values_still_give_a_valid_choice(params):
+    # Tiny temperatures or penalties overflow naive logit arithmetic to inf - inf = NaN; the choice must stay
+    # defined: a tiny temperature is (near) greedy, and a huge penalty removes or boosts the seen tokens.
+    logits = random_logits(rows=3, seed=8)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[:, :5] = True
+    counts = torch.zeros_like(logits, dtype=torch.int32)
+    processed = apply_penalties(logits, seen, counts, params)
+    assert not processed.isnan().any()
+    assert torch.isfinite(filter_logits(processed, params)).any(dim=-1).all()
+    chosen = choose(processed, params, [torch.Generator().manual_seed(i) for i in range(3)])
+    if params.repetition_penalty == 1.0:
+        assert torch.equal(chosen, logits.argmax(-1))
+    assert ((chosen >= 0) & (chosen < logits.shape[-1])).all()
 
 
 def test_lower_temperature_is_sharper():
