@@ -67,6 +67,8 @@ def read_config(path: Path) -> GPTConfig:
         raise CheckpointError(
             f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); fix or regenerate it"
         ) from e
+    except RecursionError as e:
+        raise CheckpointError(f"{path} nests JSON too deeply to be a config; fix or regenerate it") from e
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object, found {type(raw).__name__}")
     return config_from_dict(raw, source=str(path))

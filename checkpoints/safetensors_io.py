@@ -52,8 +52,10 @@ def read_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not a safetensors file: its header is not valid JSON ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
+        raise CheckpointError(
+            f"{path} is not a safetensors file: its header is not valid JSON ({type(e).__name__}: {e})"
+        ) from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
     header.pop("__metadata__", None)

@@ -299,3 +299,32 @@ def test_sampling_parameters_are_validated(gen):
         gen.generate("Hello", top_p=1.5)
     with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 0"):
         gen.generate(["Hello"], batch_size=0)
+
+
+def test_a_whitespace_only_prompt_is_a_prompt(gen):
+    out = gen.generate("   \n\t", max_new_tokens=3, temperature=0)
+    assert out.prompt_tokens == len(gen.encode("   \n\t")) > 0
+    assert len(out.token_ids) == 3
+
+
+def test_a_list_error_names_the_prompt_by_its_index_before_any_batch_runs(gen, monkeypatch):
+    ran = []
+    monkeypatch.setattr(generate.api, "Decoder", lambda *a, **k: ran.append(1))
+    prompts = ["short"] * 20 + ["word " * WINDOW]
+    with pytest.raises(
+        ValueError, match=r"^prompt 20: the prompt has \d+ tokens but the model's window is 128"
+    ):
+        gen.generate(prompts, max_new_tokens=2, batch_size=4)
+    assert ran == []  # nothing was generated for the first 20 prompts
+
+
+def test_a_padded_vocabulary_only_yields_tokens_the_tokenizer_spells():
+    # Checkpoints often pad the vocabulary to a round size (50304); ids past 50256 have no text.
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=32, n_positions=32, vocab_size=50304), seed=0)
+    with torch.no_grad():
+        model.wte.weight[50257:] = 5.0  # make the padding ids the most likely by far
+    gen_padded = generate.Generator(model)
+    for temperature in (0, 1.0):
+        out = gen_padded.generate("Hi", max_new_tokens=8, temperature=temperature, seed=0, logprobs=True)
+        assert max(out.token_ids) < 50257
+        assert len(out.token_ids) == 8 and all(lp <= 0 for lp in out.logprobs)

@@ -109,3 +109,33 @@ def test_bad_requests(prompts, max_new, match):
     model = make_model(TINY_CONFIGS["2x2x32"])
     with pytest.raises(ValueError, match=match):
         generate_ids(model, prompts, max_new_tokens=max_new, sampling=GREEDY)
+
+
+def test_infinite_logits_are_reported_not_sampled():
+    model = make_model(TINY_CONFIGS["2x2x32"], seed=1)
+    with torch.no_grad():
+        model.ln_f.weight.zero_()  # the final hidden state is ln_f.bias, whose product with one token's
+        model.ln_f.bias.fill_(3e38)  # (tied) embedding overflows fp32: finite weights, an infinite logit
+        model.wte.weight[5] = 10.0
+    with pytest.raises(GenerationError, match="NaN or infinite logits"):
+        generate_ids(model, [[1, 2, 3]], max_new_tokens=3, sampling=SamplingParams(temperature=0.7), seed=0)
+
+
+@pytest.mark.parametrize(
+    ("seed", "shown"), [(-1, "-1"), (2**64, str(2**64)), (1.5, "1.5"), ("7", "'7'"), (True, "True")]
+)
+def test_bad_seeds_are_refused_naming_the_value(seed, shown):
+    model = make_model(TINY_CONFIGS["2x2x32"])
+    with pytest.raises(
+        ValueError, match=rf"seed={shown} is out of range; a seed must be an integer in 0\.\.2"
+    ):
+        generate_ids(model, [[1, 2]], max_new_tokens=2, seed=seed)
+
+
+def test_numpy_integers_are_accepted_as_seeds_and_sizes():
+    np = pytest.importorskip("numpy")
+    model = make_model(TINY_CONFIGS["2x2x32"], seed=0, std=0.3)
+    a = generate_ids(model, [[1, 2]], max_new_tokens=np.int64(4), seed=np.int64(3),
+                     sampling=SamplingParams(top_k=np.int64(5)))  # fmt: skip
+    b = generate_ids(model, [[1, 2]], max_new_tokens=4, seed=3, sampling=SamplingParams(top_k=5))
+    assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 4

@@ -353,3 +353,38 @@ def test_hub_id_resolves_to_snapshot(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert_same_logits(checkpoints.load(HUB_ID), hf, random_ids(300, 2, 16), atol=1e-4)
     assert calls == [HUB_ID]
+
+
+def test_config_json_missing_from_a_directory(ckpt):
+    (ckpt[0] / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json does not exist; a checkpoint directory needs"):
+        checkpoints.load(ckpt[0])
+
+
+def test_an_unreadable_weights_file(ckpt, monkeypatch):
+    # chmod does not stop root (CI may run as root), so the refusal is simulated where the file is opened.
+    from pathlib import Path
+
+    real_open = Path.open
+
+    def deny(self, *args, **kwargs):
+        if self.name == "model.safetensors":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", deny)
+    with pytest.raises(CheckpointError, match=r"cannot read .*model\.safetensors: .*Permission denied"):
+        checkpoints.load(ckpt[0])
+
+
+def test_absurdly_nested_json_is_refused_not_a_recursion_error(ckpt):
+    header = b"[" * 200_000
+    path = ckpt[0] / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors is not a safetensors file: .*RecursionError"
+    ):
+        checkpoints.load(ckpt[0])
+    (ckpt[0] / "config.json").write_text("[" * 200_000)
+    with pytest.raises(CheckpointError, match=r"config\.json nests JSON too deeply"):
+        checkpoints.load(ckpt[0])
