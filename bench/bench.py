@@ -30,7 +30,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and tokens: a smoke run")
     p.add_argument("--rounds", type=int, default=None, help="A/B rounds per measurement (default 5, quick 2)")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument(
+        "--dtypes",
+        default="float32,bfloat16,int8,int8-body",
+        help="ours: float32, bfloat16, int8 (head included) or int8-body (bf16 head); int8 runs vs HF bf16",
+    )
     p.add_argument("--worker", choices=["ours", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -53,12 +57,15 @@ def _peak_rss() -> int:
 def _worker(kind: str, directory: str, dtype_name: str) -> None:
     import torch
 
-    dtype = getattr(torch, dtype_name)
     if kind == "ours":
         import checkpoints
         from generate import SamplingParams, generate_ids
+        from model.quant import quantize_int8
 
-        model = checkpoints.load(directory, dtype=dtype)
+        if dtype_name == "int8-body":  # int8 blocks, bf16 output head
+            model = quantize_int8(checkpoints.load(directory), include_head=False)
+        else:  # float32, bfloat16, or "int8" (head included)
+            model = checkpoints.load(directory, dtype=dtype_name)
         greedy = SamplingParams(temperature=0)
 
         def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -69,12 +76,17 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
             with torch.inference_mode():
                 model(torch.tensor([ids]), last_only=True)
 
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = sum(
+            t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()]
+            if t.dtype != torch.bool
+        )  # int8 matrices and scales are buffers; masks are not weights
     else:
         import transformers
 
         transformers.logging.set_verbosity_error()
-        model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=dtype).eval()
+        model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype_name))
+        model.eval()
 
         def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
             longest = max(len(p) for p in prompts)
@@ -212,12 +224,15 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: f
     prompt = torch.randint(0, 50257, (16,), generator=g).tolist()
     batch = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (8, 16, 24, 32, 40, 48, 56, 64)]
     long_prompt = torch.randint(0, 50257, (128 if args.quick else 512,), generator=g).tolist()
-    ours, hf = Worker("ours", directory, dtype), Worker("hf", directory, dtype)
+    # int8 is weight-only: its activations and KV cache are bf16, so it is compared with HF in bf16.
+    hf_dtype = "bfloat16" if dtype.startswith("int8") else dtype
+    ours, hf = Worker("ours", directory, dtype), Worker("hf", directory, hf_dtype)
     try:
         same = (
             ours.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
             == hf.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
         )
+        label = dtype if dtype == hf_dtype else f"{dtype} vs HF {hf_dtype}"
         print(
             f"[{dtype}] identical greedy tokens (3 left-padded prompts, 16 new): {same}; threads "
             f"ours {ours.info['threads']}, HF {hf.info['threads']}",
@@ -227,32 +242,31 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: f
             raise SystemExit("fp32 greedy tokens differ from transformers: not timing a wrong answer")
         rows = [
             report(
-                f"[{dtype}] decode batch 1 ({new} new)",
+                f"[{label}] decode batch 1 ({new} new)",
                 "tok/s",
                 *alternate(ours, hf, lambda w: decode_rate(w, [prompt], new), rounds),
                 True,
             ),
             report(
-                f"[{dtype}] decode batch 8 (8..64 prompt)",
+                f"[{label}] decode batch 8 (8..64 prompt)",
                 "tok/s",
                 *alternate(ours, hf, lambda w: decode_rate(w, batch, new), rounds),
                 True,
             ),
             report(
-                f"[{dtype}] prefill {len(long_prompt)} tokens",
+                f"[{label}] prefill {len(long_prompt)} tokens",
                 "ms",
                 *alternate(ours, hf, lambda w: prefill_ms(w, long_prompt), rounds),
                 False,
             ),
         ]
         weights = ours.info["weights"]
-        itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        kv = KVCache.bytes_per_token(GPTConfig(), getattr(torch, dtype)) * (len(prompt) + new)
+        kv = KVCache.bytes_per_token(GPTConfig(), getattr(torch, hf_dtype)) * (len(prompt) + new)
         limit = bandwidth / weights
         mib = 2**20
         print(
-            f"[{dtype}] weights {weights / mib:.0f} MiB ({itemsize} B/param), KV cache for batch 1 "
-            f"{kv / mib:.1f} MiB;"
+            f"[{dtype}] weights {weights / mib:.0f} MiB (HF {hf.info['weights'] / mib:.0f}), "
+            f"KV cache for batch 1 {kv / mib:.1f} MiB;"
             f" peak RSS ours {ours.peak_rss / mib:.0f} MiB, HF {hf.peak_rss / mib:.0f} MiB; "
             f"bandwidth limit {limit:.0f} tok/s, ours at {rows[0]['ours'] / limit:.2f} of it",
             flush=True,

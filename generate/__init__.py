@@ -1,8 +1,18 @@
-"""generate: the runtime (sampling, the decode loop), the Python API and the ``generate`` command."""
+"""generate: the runtime (sampling, the decode loop), the Python API and the ``generate`` command.
 
-from generate.api import Completion, Generator, load
-from generate.engine import GenerationError, TokenCompletion, generate_ids
-from generate.sampling import SamplingParams
+The public names are imported on first use (PEP 562), so ``import generate`` and the command's startup do
+not pay for torch until something needs it: Ctrl-C in that window then exits cleanly (see ``generate.cli``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from generate.api import Completion, Generator, load
+    from generate.engine import GenerationError, TokenCompletion, generate_ids
+    from generate.sampling import SamplingParams
 
 __all__ = [
     "Completion",
@@ -13,3 +23,26 @@ __all__ = [
     "generate_ids",
     "load",
 ]
+
+_HOMES = {
+    "Completion": "generate.api",
+    "Generator": "generate.api",
+    "load": "generate.api",
+    "GenerationError": "generate.engine",
+    "TokenCompletion": "generate.engine",
+    "generate_ids": "generate.engine",
+    "SamplingParams": "generate.sampling",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Import an exported name from its module on first access, then keep it here."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'generate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,20 +1,37 @@
-"""The ``generate`` command: prompt in, completion out (streamed by default)."""
+"""The ``generate`` command: prompt in, completion out (streamed by default).
+
+Only the standard library is imported at module level: torch and the model code are imported inside
+:func:`main`, under its Ctrl-C handling, so an interrupt during the ~2 s of startup exits 130 quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import re
 import sys
 import time
-from typing import NoReturn
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NoReturn
 
-from checkpoints import CheckpointError, resolve_device, resolve_dtype
-from generate.api import DEFAULT_CHECKPOINT, Generator, load
-from generate.engine import GenerationError
-from generate.sampling import SamplingParams
+if TYPE_CHECKING:
+    from generate.api import Generator
 
+DEFAULT_CHECKPOINT = "shakespeare"  # generate.api.DEFAULT_CHECKPOINT, repeated so --help needs no torch
+MAX_BATCH_SIZE = 65_536  # far beyond any memory: each row holds ~2.4 MB of vocabulary-sized state alone
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty")  # fmt: skip
+DESCRIPTION = """\
+Continue a prompt with a GPT-2-family model. The prompt is read from standard
+input when it is '-' or absent. The completion (prompt excluded) is streamed
+to standard output."""
+EXAMPLES = r"""examples:
+  generate 'To be, or not to be' --seed 1
+  echo 'Once upon a time' | generate --json -n 30
+  generate --prompts-file prompts.txt --temperature 0 --max-new-tokens 20
+  generate 'Hello' --stop '\n\n' --num-samples 3 --json"""
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,15 +39,32 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Output:
+    """Standard output that remembers whether its last line is unfinished, so Ctrl-C can end just that."""
+
+    def __init__(self) -> None:
+        self.partial = False
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.partial = not text.endswith("\n")
+
+
+def unescape(text: str) -> str:
+    r"""Turn the escapes ``\n``, ``\t``, ``\r`` and ``\\`` in ``text`` into their characters.
+
+    Any other backslash is kept as it is, so ``--stop '\n\n'`` means two newlines, as a shell cannot
+    easily type them.
+    """
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = _Parser(
-        prog="generate",
-        description="Continue a prompt with a GPT-2-family model. The prompt is read from standard input "
-        "when it is '-' or absent. The completion (prompt excluded) is streamed to standard output.",
-        epilog="Examples: generate 'To be, or not to be' --seed 1 | echo 'Once upon' | generate --json | "
-        "generate --prompts-file prompts.txt --temperature 0 --max-new-tokens 20",
-    )
+    p = _Parser(prog="generate", description=DESCRIPTION, epilog=EXAMPLES,
+                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("prompt", nargs="?", default="-", help="text to continue ('-' or absent: read stdin)")
     p.add_argument(
         "--prompts-file", metavar="FILE", help="one prompt per line (blank lines skipped), run as batches"
@@ -41,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CHECKPOINT,
         help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
     )
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument(
         "--dtype",
         default="float32",
@@ -60,13 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables (default)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 disables (default)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 disables (default)")
-    p.add_argument("--seed", type=int, help="make sampling reproducible; sample k uses seed + k")
+    p.add_argument("--seed", type=int, help="make sampling reproducible (0..2**64-1); sample k uses seed + k")
     p.add_argument(
         "--stop",
         action="append",
         default=[],
+        type=unescape,
         metavar="TEXT",
-        help="stop when TEXT is generated (not printed); repeatable",
+        help=r"stop when TEXT is generated (not printed); repeatable. \n, \t, \r and \\ in TEXT mean a "
+        r"newline, tab, carriage return and backslash; any other backslash is kept as is",
     )
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt (default 1)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts run together at most (default 16)")
@@ -82,91 +118,169 @@ def build_parser() -> argparse.ArgumentParser:
     return p  # fmt: skip
 
 
-def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+def _argument_prompt(prompt: str, parser: argparse.ArgumentParser) -> str:
+    """The prompt argument, refused if the OS handed over bytes that are not UTF-8 (as lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = len(prompt[: e.start].encode("utf-8"))
+        parser.error(f"the prompt argument is not valid UTF-8 (byte {byte}); convert it to UTF-8")
+    return prompt
+
+
+def _read_file(path: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a prompts file with their 1-based line numbers (blank lines counted)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {path}: {e}") from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"prompts file {path} is not valid UTF-8 (line {line}, byte {e.start}); convert it to UTF-8"
+        ) from e
+    lines = (line.removesuffix("\r") for line in text.split("\n"))
+    return [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+
+
+def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[tuple[int | None, str]]:
+    """(line number in the prompts file or None, prompt) for every prompt to run."""
     if args.prompts_file is not None:
         if args.prompt != "-":
             parser.error("give either a prompt or --prompts-file, not both")
-        try:
-            with open(args.prompts_file, encoding="utf-8") as f:
-                lines = [line.rstrip("\r\n") for line in f]
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read prompts file {args.prompts_file}: {e}") from e
-        return [line for line in lines if line.strip()]
+        prompts = _read_file(args.prompts_file)
+        if not prompts:
+            raise ValueError(f"prompts file {args.prompts_file} has no prompts (only blank lines)")
+        return prompts
     if args.prompt != "-":
-        return [args.prompt]
+        return [(None, _argument_prompt(args.prompt, parser))]
     if sys.stdin is None or sys.stdin.isatty():
         parser.error("no prompt: give one as an argument, or pipe it to standard input")
     data = sys.stdin.buffer.read()
     try:
-        return [data.decode("utf-8").removesuffix("\n")]
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"standard input is not valid UTF-8 (byte {e.start}); convert it to UTF-8") from e
+    # One line ending, as `echo` or a Windows editor writes it, ends the prompt; it is not part of it.
+    return [(None, text[:-2] if text.endswith("\r\n") else text.removesuffix("\n"))]
 
 
 def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse bad options as usage errors (exit 2) before anything is loaded."""
+    for name in ("num_samples", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.batch_size > MAX_BATCH_SIZE:
+        parser.error(f"--batch-size must be <= {MAX_BATCH_SIZE}, got {args.batch_size}; use a smaller batch")
+    if args.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if any(not s for s in args.stop):
+        parser.error("--stop needs a non-empty string")
+    if args.logprobs and not args.json:
+        parser.error("--logprobs only shows in JSON output; add --json")
+    # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
+    from checkpoints import resolve_device, resolve_dtype
+    from generate.engine import check_seed
+    from generate.sampling import SamplingParams
+
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
         resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype == "int8" else args.dtype))
     except ValueError as e:
         parser.error(str(e))
-    for name in ("num_samples", "batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_new_tokens < 0:
-        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if any(not s for s in args.stop):
-        parser.error("--stop needs a non-empty string")
+    if args.seed is not None:
+        last = args.seed + args.num_samples - 1  # sample k uses seed + k
+        try:
+            check_seed(args.seed)
+        except ValueError:
+            parser.error(f"--seed {args.seed} is out of range; use a seed in 0..2**64-1")
+        try:
+            check_seed(last)
+        except ValueError:
+            parser.error(
+                f"--seed {args.seed} with --num-samples {args.num_samples} needs seeds up to {last}, beyond "
+                "2**64-1; use a smaller --seed or fewer samples"
+            )
 
 
-def _run(gen: Generator, prompts: list[str], args: argparse.Namespace) -> None:
+def _check_prompts(gen: Generator, prompts: list[tuple[int | None, str]], prompts_file: str | None) -> None:
+    """Check every prompt against the model before the first batch runs; name a bad one by its file line."""
+    from generate.engine import check_prompt
+
+    config = gen.model.config
+    for line, prompt in prompts:
+        try:
+            check_prompt(gen.encode(prompt), config.vocab_size, config.n_positions)
+        except ValueError as e:
+            raise ValueError(str(e) if line is None else f"{prompts_file} line {line}: {e}") from None
+
+
+def _rows(prompts: list[str], num_samples: int) -> Iterator[tuple[str, int]]:
+    """(prompt, sample index) for every completion, made as needed (num_samples may be huge)."""
+    for prompt in prompts:
+        for k in range(num_samples):
+            yield prompt, k
+
+
+def _run(gen: Generator, prompts: list[str], args: argparse.Namespace, out: _Output) -> None:
     options = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
     options.update(max_new_tokens=args.max_new_tokens, stop=args.stop, logprobs=args.logprobs)
-    rows = [(p, k) for p in prompts for k in range(args.num_samples)]
-    if len(rows) == 1 and not args.json and not args.no_stream:
+    total = len(prompts) * args.num_samples
+    if total == 1 and not args.json and not args.no_stream:
         for piece in gen.stream(prompts[0], seed=args.seed, **options):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            out.write(piece)
+        out.write("\n")
         return
-    for start in range(0, len(rows), args.batch_size):
-        batch = rows[start : start + args.batch_size]
+    rows, size = _rows(prompts, args.num_samples), min(args.batch_size, total)
+    while batch := list(itertools.islice(rows, size)):
         seeds = [None if args.seed is None else args.seed + k for _, k in batch]
         t0 = time.perf_counter()
-        outs = gen.generate([p for p, _ in batch], seed=seeds, batch_size=args.batch_size, **options)
+        outs = gen.generate([p for p, _ in batch], seed=seeds, batch_size=size, **options)
         seconds = time.perf_counter() - t0
         new_tokens = sum(len(o.token_ids) for o in outs)
-        for (prompt, k), out in zip(batch, outs, strict=True):
+        for (prompt, k), completion in zip(batch, outs, strict=True):
             if args.json:
-                record = {"prompt": prompt, "sample": k, "text": out.text, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+                record = {"prompt": prompt, "sample": k, "text": completion.text,
+                          "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                          "prompt_tokens": completion.prompt_tokens,
                           "timing": {"batch_seconds": round(seconds, 4), "batch_size": len(batch),
                                      "batch_tokens_per_second": round(new_tokens / seconds, 2)}}  # fmt: skip
                 if args.logprobs:
-                    record["logprobs"] = out.logprobs
-                print(json.dumps(record, ensure_ascii=False), flush=True)
+                    record["logprobs"] = completion.logprobs
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
-                print(out.text + ("\n" if len(rows) > 1 else ""), flush=True)
+                out.write(completion.text + ("\n\n" if total > 1 else "\n"))
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Output) -> None:
+    _check_options(args, parser)
+    prompts = _read_prompts(args, parser)
+    from generate.api import load
+
+    gen = load(args.checkpoint, device=args.device, dtype=args.dtype)
+    _check_prompts(gen, prompts, args.prompts_file)
+    _run(gen, [prompt for _, prompt in prompts], args, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check_options(args, parser)
+    out = _Output()
     try:
-        prompts = _read_prompts(args, parser)
-        if not prompts:
-            raise ValueError(f"prompts file {args.prompts_file} has no prompts (only blank lines)")
-        gen = load(args.checkpoint, device=args.device, dtype=args.dtype)
-        _run(gen, prompts, args)
+        parser = build_parser()
+        _generate(parser.parse_args(argv), parser, out)
     except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        if out.partial:  # end a streamed line; a JSON or finished line is left whole
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         return 130
     except BrokenPipeError:
         sys.stderr.close()  # the reader went away (e.g. `| head`): stop quietly
         return 0
-    except (CheckpointError, GenerationError, ValueError, MemoryError, RuntimeError, OSError) as e:
+    # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
+    except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
         print(f"generate: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -272,3 +272,9 @@ def test_help_mentions_every_sampling_option(capsys):
     for flag in SAMPLING_FLAGS:
         assert flag in out, flag
     assert "usage: generate" in out
+
+
+def test_the_command_module_imports_no_torch_until_it_runs():
+    # --help and Ctrl-C during startup must not wait for torch: cli imports it inside main().
+    code = "import sys, generate, generate.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

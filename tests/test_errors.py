@@ -209,7 +209,12 @@ def test_odd_but_valid_prompts(argv, stdin, outputs, ckpt, capsys, monkeypatch):
 def test_prompt_errors(ckpt, tmp_path, capsys, monkeypatch):
     code, _, err = run([" ".join(["word"] * 40), "-c", ckpt], capsys, monkeypatch)
     assert code == 1
-    assert_one_line_error(err, "prompt 0: the prompt has 40 tokens but the model's window is 32 positions")
+    assert_one_line_error(err, "error: the prompt has 40 tokens but the model's window is 32 positions")
+    too_long = tmp_path / "too_long.txt"
+    too_long.write_text("short\n\n" + " ".join(["word"] * 40) + "\n")
+    code, out, err = run(["--prompts-file", too_long, "-c", ckpt, "--json"], capsys, monkeypatch)
+    assert code == 1 and out == ""  # refused before the first batch runs: nothing half-printed
+    assert_one_line_error(err, f"{re.escape(str(too_long))} line 3: the prompt has 40 tokens")
     code, _, err = run(["-c", ckpt], capsys, monkeypatch, stdin=b"\xff\xfe bad")
     assert code == 1
     assert_one_line_error(err, r"standard input is not valid UTF-8 \(byte 0\)")

@@ -122,11 +122,33 @@ def test_int8_weight_only(ckpt):
 
 
 def test_bad_device(ckpt):
-    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+    with pytest.raises(ValueError, match="unknown device 'gpu0'; use 'cpu'"):
         checkpoints.load(ckpt[0], device="gpu0")
+    with pytest.raises(ValueError, match=r"device 'meta' is not supported .*; use 'cpu'"):
+        checkpoints.load(ckpt[0], device="meta")  # a real torch device, but it holds no data to generate from
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device 'cuda:0' is not available"):
             checkpoints.load(ckpt[0], device="cuda:0")
+    else:
+        count = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=f"has {count} CUDA device"):
+            checkpoints.load(ckpt[0], device=f"cuda:{count}")
+
+
+def test_a_device_that_cannot_run_the_model_is_refused_in_one_line(ckpt, monkeypatch):
+    real = torch.softmax
+
+    def broken(x, *args, **kwargs):
+        raise RuntimeError("backend failure\nwith a long\nmulti-line report")
+
+    monkeypatch.setattr(torch, "softmax", broken)
+    with pytest.raises(ValueError) as info:
+        checkpoints.load(ckpt[0], device="cpu")
+    monkeypatch.setattr(torch, "softmax", real)
+    assert (
+        str(info.value)
+        == "device 'cpu' cannot run the model (backend failure); reinstall torch, whose CPU build runs it"
+    )
 
 
 def write_config(directory, **changes):
