@@ -111,7 +111,8 @@ def save_state(model: GPT, opt: torch.optim.AdamW, step: int, work: Path) -> Non
     tensors = {f"model.{n}": p.detach().contiguous() for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            tensors[f"opt.{names[p]}.{key}"] = st[key].detach().reshape(-1) if key == "step" else st[key]
+            value = st[key].detach()  # moments share their parameter's layout, which may be column-major
+            tensors[f"opt.{names[p]}.{key}"] = value.reshape(-1) if key == "step" else value.contiguous()
     tmp = work / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(work / "state.safetensors")
@@ -129,8 +130,8 @@ def load_state(model: GPT, opt: torch.optim.AdamW, work: Path) -> int:
             if f"opt.{n}.step" in tensors:
                 opt.state[p] = {
                     "step": tensors[f"opt.{n}.step"].reshape(()),
-                    "exp_avg": tensors[f"opt.{n}.exp_avg"],
-                    "exp_avg_sq": tensors[f"opt.{n}.exp_avg_sq"],
+                    "exp_avg": torch.empty_like(p).copy_(tensors[f"opt.{n}.exp_avg"]),  # p's layout
+                    "exp_avg_sq": torch.empty_like(p).copy_(tensors[f"opt.{n}.exp_avg_sq"]),
                 }
     return json.loads((work / "state.json").read_text())["step"]
 

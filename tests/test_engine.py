@@ -69,9 +69,11 @@ def test_eos_stops_a_row_and_it_stops_changing():
     model = make_model(config, seed=2, std=0.3)
     prompts = random_prompts(config.vocab_size, [4, 4], 2)
     free = generate_ids(model, prompts, max_new_tokens=8, sampling=GREEDY, eos_id=None)
-    eos = free[0].token_ids[2]  # row 0 emits this third; treat it as end-of-text
+    tokens = free[0].token_ids
+    k = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])  # row 0's first new token
+    eos = tokens[k]  # treat it as end-of-text
     out = generate_ids(model, prompts, max_new_tokens=8, sampling=GREEDY, eos_id=eos)
-    assert out[0].token_ids == free[0].token_ids[:3] and out[0].finish_reason == "stop"
+    assert out[0].token_ids == tokens[: k + 1] and out[0].finish_reason == "stop"
     first = free[1].token_ids.index(eos) + 1 if eos in free[1].token_ids else 8
     assert out[1].token_ids == free[1].token_ids[:first]
 
