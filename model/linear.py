@@ -3,11 +3,13 @@
 In a decode step each weight matrix is read once to multiply a handful of rows, so the step's time is the
 time to stream the weights from memory. Two things decide how fast PyTorch's CPU kernels (MKL) stream them:
 
-- Layout. A weight with more outputs than inputs (``c_attn``, ``c_fc``, the 50,257-row output head) reads
-  faster stored column-major, as ``(in, out)`` in memory, which is also how GPT-2 checkpoints store the
-  Conv1D matrices. Measured on 2 AMD EPYC (Zen 3) cores: the head's one-row product 13.6 -> 8.3 ms, and a
-  GPT-2 124M decode step 39.4 -> 33.5 ms at batch 1, 125 -> 99 ms at batch 8 (with the split below).
-  :func:`column_major` keeps the usual ``(out, in)`` shape, so nothing else sees the difference.
+- Layout. An fp32 weight with more outputs than inputs (``c_attn``, ``c_fc``, the 50,257-row output head)
+  reads faster stored column-major, as ``(in, out)`` in memory, which is also how GPT-2 checkpoints store
+  the Conv1D matrices. Measured on 2 AMD EPYC (Zen 3) cores: the head's one-row product 13.6 -> 8.3 ms, and
+  a GPT-2 124M decode step 39.4 -> 33.5 ms at batch 1, 125 -> 99 ms at batch 8 (with the split below).
+  In bf16 the opposite holds (a column-major 512 x 768 x 2304 product took 1.5 s, row-major 91 ms), so
+  :func:`fit_layout` picks the order from the dtype, at construction and after every ``.to()``. The shape
+  stays ``(out, in)``: nothing outside this file sees the difference.
 - Threads. PyTorch's small-batch products do not use both cores well: :class:`Linear` splits products of at
   most ``SPLIT_MAX_ROWS`` rows by output rows across threads; each thread computes whole dot products, so
   the result is the same as the unsplit product. Beyond 4 rows splitting measured slower than not.
@@ -16,6 +18,7 @@ time to stream the weights from memory. Two things decide how fast PyTorch's CPU
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -27,13 +30,23 @@ from torch import nn
 SPLIT_MAX_ROWS = 4
 
 
-def column_major(weight: torch.Tensor) -> nn.Parameter:
-    """The same ``(out, in)`` matrix stored column-major: its transpose is contiguous.
+def prefers_column_major(weight: torch.Tensor) -> bool:
+    """Whether ``F.linear`` reads this ``(out, in)`` weight faster column-major: fp32 with ``out >= in``."""
+    return weight.dtype == torch.float32 and weight.shape[0] >= weight.shape[1]
 
-    Shape, values and every operation on it are unchanged; only the memory order differs, which is what
-    ``F.linear`` reads faster when ``out > in`` (see the module docstring).
+
+def fit_layout(weight: nn.Parameter) -> None:
+    """Store ``weight`` in the memory order its products read fastest, in place.
+
+    Values, shape and the Parameter object are kept (an optimizer holding it is unaffected); only the
+    strides change. Column-major means the transpose is contiguous.
     """
-    return nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
+    data = weight.data
+    if prefers_column_major(data):
+        if not data.t().is_contiguous():
+            weight.data = data.t().contiguous().t()
+    elif not data.is_contiguous():
+        weight.data = data.contiguous()
 
 
 @functools.cache
@@ -68,13 +81,17 @@ def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight is column-major when it has more outputs than inputs, and whose small-batch
-    fp32 inference products are split across threads (see the module docstring)."""
+    """``nn.Linear`` whose weight is laid out by :func:`fit_layout` and whose small-batch fp32 inference
+    products are split across threads (see the module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs: object) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
-        if out_features >= in_features:
-            self.weight = column_major(self.weight)
+        fit_layout(self.weight)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
+        super()._apply(fn, recurse)
+        fit_layout(self.weight)  # .to(dtype) keeps strides, but the fastest order depends on the dtype
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = _splits(x, self.weight)
@@ -86,14 +103,18 @@ class Linear(nn.Linear):
 class TiedEmbedding(nn.Embedding):
     """The token embedding, which is also the output head: :meth:`project` maps hidden states to logits.
 
-    Its ``(vocab_size, n_embd)`` weight is stored column-major (when the vocabulary is the longer side), for
-    the head's product; looking up a few token rows reads strided memory, which costs little.
+    Its ``(vocab_size, n_embd)`` weight is laid out by :func:`fit_layout` for the head's product (in fp32,
+    column-major); looking up a few token rows then reads strided memory, which costs little.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, **kwargs: object) -> None:
         super().__init__(num_embeddings, embedding_dim, **kwargs)
-        if num_embeddings >= embedding_dim:
-            self.weight = column_major(self.weight)
+        fit_layout(self.weight)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TiedEmbedding:
+        super()._apply(fn, recurse)
+        fit_layout(self.weight)
+        return self
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""
