@@ -155,6 +155,22 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
+def cpu_description() -> str:
+    """The CPU's model name and whether it computes bf16 natively (without it bf16 products are emulated)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return f"cpu: {platform.processor() or 'unknown'}"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if "model name" in line), "?")
+    flags = set(
+        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    )
+    vector = sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return f"cpu: {name}; {', '.join(vector) or 'no AVX'} (bf16 native: {native})"
+
+
 def read_bandwidth() -> float:
     """Bytes per second a sum over a 1 GiB tensor reads, best of 5 (torch, all threads)."""
     import torch
@@ -291,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
         flush=True,
     )
+    print(cpu_description(), flush=True)
     bandwidth = read_bandwidth()
     print(f"read bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s", flush=True)
     with tempfile.TemporaryDirectory() as directory:
