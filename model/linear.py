@@ -1,37 +1,39 @@
 """Linear layers for decode steps: the matrix-vector products that bound generation speed on a CPU.
 
 In a decode step each weight matrix is read once to multiply a handful of rows, so the step's time is the
-time to stream the weights from memory. Two things decide how fast PyTorch's CPU kernels (MKL) stream them:
+time to stream the weights from memory. Two things decide how fast PyTorch's CPU kernels stream them:
 
+- Kernel. ``F.linear`` runs small-batch fp32 products in MKL, which on the AMD EPYC (Zen 3) machine this
+  was measured on reads the weights at 10-16 GB/s on one thread and is slow for 2-16 rows. oneDNN's inner
+  product (``torch.ops.mkldnn._linear_pointwise``, what ``torch.compile`` uses for CPU linears) reads a
+  plain weight in place, with no packing or copy, and uses both cores: GPT-2 124M's 49 products took
+  31.3 -> 26.3 ms at 1 row and 119 -> 66 ms at 8 rows; a GPT-2 124M decode at batch 8 went 54-64 -> 100
+  tok/s. For long prompts MKL is faster, so :func:`linear` sends fp32 CPU inference products of at most
+  ``ONEDNN_MAX_ROWS`` rows there and everything else (long prompts, training, bf16, CUDA) to ``F.linear``.
 - Layout. An fp32 weight with more outputs than inputs (``c_attn``, ``c_fc``, the 50,257-row output head)
   reads faster stored column-major, as ``(in, out)`` in memory, which is also how GPT-2 checkpoints store
-  the Conv1D matrices. Measured on 2 AMD EPYC (Zen 3) cores: the head's one-row product 13.6 -> 8.3 ms, and
-  a GPT-2 124M decode step 39.4 -> 33.5 ms at batch 1, 125 -> 99 ms at batch 8 (with the split below).
-  In bf16 the opposite holds (a column-major 512 x 768 x 2304 product took 1.5 s, row-major 91 ms), so
-  :func:`fit_layout` picks the order from the dtype, at construction and after every ``.to()``. The shape
-  stays ``(out, in)``: nothing outside this file sees the difference.
-- Threads. PyTorch's small-batch products do not use both cores well: :class:`Linear` splits products of at
-  most ``SPLIT_MAX_ROWS`` rows by output rows across threads; each thread computes whole dot products, so
-  the result is the same as the unsplit product. Beyond 4 rows splitting measured slower than not.
+  the Conv1D matrices: one-row products of all 124M weights took 29.3 ms row-major and 26.3 ms
+  column-major in oneDNN (42 and 31 ms in MKL). In bf16 the opposite holds (a column-major
+  512 x 768 x 2304 product took 1.5 s, row-major 91 ms), so :func:`fit_layout` picks the order from the
+  dtype, at construction and after every ``.to()``. The shape stays ``(out, in)``: nothing outside this
+  file sees the difference.
+
+Splitting products across a Python thread pool, tried before, gained nothing next to oneDNN's own threads
+and fought them (0.4 tok/s), so it is gone.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Split only products with at most this many input rows (decode steps of small batches). Measured on a
-# GPT-2 124M decode step: splitting batch 8 cost 10-40% (its products use both cores), batch 2-4 gained.
-SPLIT_MAX_ROWS = 4
-
 
 def prefers_column_major(weight: torch.Tensor) -> bool:
-    """Whether ``F.linear`` reads this ``(out, in)`` weight faster column-major: fp32 with ``out >= in``."""
+    """Whether products read this ``(out, in)`` weight faster column-major: fp32 with ``out >= in``."""
     return weight.dtype == torch.float32 and weight.shape[0] >= weight.shape[1]
 
 
@@ -49,40 +51,43 @@ def fit_layout(weight: nn.Parameter) -> None:
         weight.data = data.contiguous()
 
 
+# Products of at most this many rows (decode steps, short prompts) run in oneDNN; longer prompts in MKL.
+# Measured on GPT-2 124M forwards, oneDNN / MKL time: 0.74 at 8 rows, 0.80 at 32, 1.10 at 64, 1.28 at 512.
+ONEDNN_MAX_ROWS = 32
+
+
 @functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gptgen-linear")
+def _onednn_works() -> bool:
+    """Whether this PyTorch build has oneDNN's inner product and it runs here (checked once)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.no_grad():
+            x, w = torch.ones(1, 2), torch.ones(3, 2)
+            y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.equal(y, torch.full((1, 3), 2.0))
+    except (AttributeError, RuntimeError):
+        return False
 
 
-def _linear_no_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    with torch.no_grad():  # grad mode is per thread: the pool's threads must not record autograd either
-        return F.linear(x, weight, bias)
-
-
-def split_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parts: int
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight's rows split into ``parts`` products run concurrently."""
-    weights = weight.chunk(parts)
-    biases = bias.chunk(parts) if bias is not None else [None] * parts
-    pool = _pool(parts - 1)
-    futures = [pool.submit(_linear_no_grad, x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)]
-    first = F.linear(x, weights[0], biases[0])  # the calling thread does one part itself
-    return torch.cat([first, *(f.result() for f in futures)], dim=-1)
-
-
-def _splits(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """How many threads to split this product over (1: do not split)."""
-    if weight.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-        return 1
-    if x.numel() // x.shape[-1] > SPLIT_MAX_ROWS:
-        return 1
-    return min(torch.get_num_threads(), max(1, weight.shape[0] // 256))
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; fp32 CPU inference products of few rows run in oneDNN (see the module
+    docstring)."""
+    if (
+        weight.dtype == torch.float32
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]
+        and not torch.is_grad_enabled()
+        and torch.backends.mkldnn.enabled
+        and _onednn_works()
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight is laid out by :func:`fit_layout` and whose small-batch fp32 inference
-    products are split across threads (see the module docstring)."""
+    """``nn.Linear`` whose weight is laid out by :func:`fit_layout`; products run in :func:`linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs: object) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
@@ -94,10 +99,7 @@ class Linear(nn.Linear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = _splits(x, self.weight)
-        if parts > 1:
-            return split_linear(x, self.weight, self.bias, parts)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class TiedEmbedding(nn.Embedding):
@@ -118,5 +120,4 @@ class TiedEmbedding(nn.Embedding):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""
-        parts = _splits(x, self.weight)
-        return split_linear(x, self.weight, None, parts) if parts > 1 else F.linear(x, self.weight)
+        return linear(x, self.weight)

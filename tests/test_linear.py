@@ -1,4 +1,4 @@
-"""Linear: column-major storage and products split across threads change no result."""
+"""Linear: column-major storage and oneDNN products change no result; training stays in F.linear."""
 
 import pytest
 import torch
@@ -7,40 +7,60 @@ import torch.nn.functional as F
 import checkpoints
 from conftest import make_model
 from model import GPTConfig
-from model.linear import Linear, TiedEmbedding, split_linear
+from model.linear import ONEDNN_MAX_ROWS, Linear, TiedEmbedding, _onednn_works, linear
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_split_product_equals_plain_product(parts, rows):
-    torch.manual_seed(0)
-    w, b, x = torch.randn(1000, 96), torch.randn(1000), torch.randn(rows, 96)
-    assert torch.allclose(split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=0)
-    assert torch.allclose(split_linear(x[None], w, None, parts), F.linear(x[None], w), atol=1e-5, rtol=0)
-
-
-def test_linear_splits_only_small_fp32_inference_products(monkeypatch):
+def _onednn_calls(monkeypatch):
     calls = []
-    real = split_linear
+    real = torch.ops.mkldnn._linear_pointwise
 
-    def spy(x, weight, bias, parts):
-        calls.append((tuple(x.shape), parts))
-        return real(x, weight, bias, parts)
+    class Spy:
+        def _linear_pointwise(self, x, weight, *args):
+            calls.append((tuple(x.shape), weight.dtype))
+            return real(x, weight, *args)
 
-    monkeypatch.setattr("model.linear.split_linear", spy)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch.ops, "mkldnn", Spy())
+    return calls
+
+
+@pytest.mark.skipif(not _onednn_works(), reason="this PyTorch build has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_onednn_product_equals_plain_product_in_every_layout(rows):
+    torch.manual_seed(0)
+    w, b = torch.randn(1000, 96), torch.randn(1000)
+    for weight in (w, w.t().contiguous().t()):  # row- and column-major
+        for x in (torch.randn(rows, 96), torch.randn(2, rows, 96), torch.randn(rows, 2, 96).transpose(0, 1)):
+            with torch.no_grad():
+                # The same dot products summed in another order: values of size ~10 agree to ~1e-6.
+                assert torch.allclose(linear(x, weight, b), F.linear(x, w, b), atol=1e-4, rtol=0)
+                assert torch.allclose(linear(x, weight), F.linear(x, w), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not _onednn_works(), reason="this PyTorch build has no oneDNN")
+def test_only_fp32_cpu_inference_products_go_to_onednn(monkeypatch):
+    calls = _onednn_calls(monkeypatch)
     layer, head = Linear(64, 512), TiedEmbedding(1024, 64)
     x = torch.randn(1, 1, 64)
     with torch.no_grad():
-        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-6)
-        assert torch.allclose(head.project(x), F.linear(x, head.weight), atol=1e-6)
-        layer(torch.randn(1, 5, 64))  # 5 rows: not split (measured slower than one product)
-        layer.to(torch.bfloat16)(x.bfloat16())  # bf16 products already use every thread
-    layer.float()(x)  # with gradients: training is never split
-    with torch.inference_mode():  # what generation runs under: the pool threads must accept it too
-        y = layer(torch.randn(1, 1, 64))
-    assert not y.requires_grad
-    assert calls == [((1, 1, 64), 2), ((1, 1, 64), 2), ((1, 1, 64), 2)]
+        layer(x)
+        head.project(x)
+        layer.to(torch.bfloat16)(x.bfloat16())  # bf16: F.linear (oneDNN bf16 needs native bf16 here)
+    y = layer.float()(x)  # with gradients: training stays in autograd's F.linear
+    assert y.requires_grad and y.grad_fn is not None
+    with torch.inference_mode():  # what generation runs under
+        assert not layer(torch.randn(1, 5, 64)).requires_grad
+        layer(torch.randn(3, ONEDNN_MAX_ROWS // 3 + 1, 64))  # a long prompt: MKL (faster there)
+    assert calls == [((1, 1, 64), torch.float32), ((1, 1, 64), torch.float32), ((1, 5, 64), torch.float32)]
+
+
+def test_without_onednn_products_fall_back_to_f_linear(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    calls = _onednn_calls(monkeypatch)
+    layer = Linear(64, 512)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == []
 
 
 def is_column_major(w):
