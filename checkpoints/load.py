@@ -234,6 +234,6 @@ def load(
     params = dict(model.named_parameters())
     with torch.no_grad():
         for path, names in plan.items():
-            for name, tensor in iter_tensors(path, names):  # one tensor in memory at a time
-                params[name].copy_(tensor)
+            for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
+                params[name][index].copy_(piece)
     return quantize_int8(model) if quantize else model.eval()

@@ -100,13 +100,20 @@ def file_shape(model_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(shape)) if model_name.endswith(CONV1D_SUFFIXES) else tuple(shape)
 
 
-def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(model_name, tensor)`` for the file keys in ``names`` ({file_key: model_name}), one at a time.
+# Bytes read per piece: the most of a tensor held in memory beside the model while loading.
+CHUNK_BYTES = 16 * 2**20
 
-    Each tensor's bytes are read from the file with plain reads (safetensors data is raw little-endian
-    arrays at the header's offsets), so at most one tensor is in memory beside the model: no memory map
-    whose pages would count, file-wide, toward the process's resident memory. Conv1D weights come back as
-    transposed views; the caller copies them into place.
+Index = tuple[slice, ...]
+
+
+def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, Index, torch.Tensor]]:
+    """Yield ``(model_name, index, piece)`` for the file keys in ``names`` ({file_key: model_name}).
+
+    The caller copies each piece into place: ``param[index].copy_(piece)``. A tensor comes in pieces of
+    whole rows (of the file's first dimension) of at most ``CHUNK_BYTES``, read with plain reads
+    (safetensors data is raw little-endian arrays at the header's offsets), so no more than one piece is in
+    memory beside the model, and no memory map's pages count toward the process's resident memory. Conv1D
+    weights, stored ``(in, out)``, come back as transposed pieces with an index into ``(out, in)``.
     """
     header = read_header(path)
     try:
@@ -116,22 +123,34 @@ def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, torch
                 info = header[file_key]
                 dtype, shape = FILE_DTYPES[info["dtype"]], info["shape"]
                 begin, end = info["data_offsets"]
-                size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                itemsize = torch.empty((), dtype=dtype).element_size()
+                size = math.prod(shape) * itemsize
                 if end - begin != size:
                     raise CheckpointError(
                         f"cannot read {path} as safetensors: tensor {file_key} spans {end - begin} bytes but "
                         f"{info['dtype']} {shape} needs {size}"
                     )
+                if not shape or size == 0:  # a scalar or an empty tensor: one piece
+                    f.seek(8 + header_len + begin)
+                    data = bytearray(f.read(size))
+                    if len(data) != size:
+                        raise CheckpointError(f"{path} is truncated inside tensor {file_key}")
+                    whole = torch.frombuffer(data, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+                    yield name, (), whole.reshape(shape)
+                    continue
+                row_bytes = size // shape[0]
+                step = max(1, CHUNK_BYTES // row_bytes)
                 f.seek(8 + header_len + begin)
-                data = bytearray(size)
-                if f.readinto(data) != size:
-                    raise CheckpointError(f"{path} is truncated inside tensor {file_key}")
-                tensor = (
-                    torch.frombuffer(data, dtype=dtype).reshape(shape)
-                    if size
-                    else torch.empty(shape, dtype=dtype)
-                )
-                yield name, tensor.t() if name.endswith(CONV1D_SUFFIXES) else tensor
+                for start in range(0, shape[0], step):
+                    rows = min(step, shape[0] - start)
+                    data = bytearray(rows * row_bytes)
+                    if f.readinto(data) != len(data):
+                        raise CheckpointError(f"{path} is truncated inside tensor {file_key}")
+                    piece = torch.frombuffer(data, dtype=dtype).reshape(rows, *shape[1:])
+                    if name.endswith(CONV1D_SUFFIXES):
+                        yield name, (slice(None), slice(start, start + rows)), piece.t()
+                    else:
+                        yield name, (slice(start, start + rows),), piece
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e}") from e
 

@@ -21,8 +21,10 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ``(q, scale)``: int8 (N, K) and bf16 (N,).
     """
     w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    low, high = w.aminmax(dim=1)  # the largest magnitude per row, without an abs() copy of the matrix
+    scale = (torch.maximum(-low, high) / 127.0).clamp(min=1e-12)
+    # One fp32 temporary (the quotient), rounded and clamped in place: the head is 154 MB in GPT-2 124M.
+    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.to(COMPUTE_DTYPE)
 
 

@@ -90,10 +90,25 @@ def test_iter_tensors_is_lazy_and_transposes_conv1d(ckpt):
     }
     it = iter_tensors(directory / "model.safetensors", names)
     assert inspect.isgenerator(it)
-    name, tensor = next(it)  # one tensor at a time, in the order asked for
-    assert name == "h.0.attn.c_attn.weight"
-    assert torch.equal(tensor, model.h[0].attn.c_attn.weight)  # stored (in, out), handed back (out, in)
-    assert [n for n, _ in it] == ["wte.weight"]
+    name, index, piece = next(it)  # one tensor at a time, in the order asked for
+    assert name == "h.0.attn.c_attn.weight" and index == (slice(None), slice(0, piece.shape[1]))
+    assert torch.equal(piece, model.h[0].attn.c_attn.weight)  # stored (in, out), handed back (out, in)
+    assert [n for n, _, _ in it] == ["wte.weight"]
+
+
+def test_large_tensors_are_read_in_pieces_that_fill_every_row(ckpt, monkeypatch):
+    directory, model = ckpt  # width 32: a wte row is 128 bytes, a stored c_fc row (in, out) 512 bytes
+    monkeypatch.setattr("checkpoints.safetensors_io.CHUNK_BYTES", 3 * 128)
+    expected = dict(model.named_parameters())
+    cases = [("transformer.wte.weight", "wte.weight", 17), ("transformer.h.0.mlp.c_fc.weight",
+             "h.0.mlp.c_fc.weight", 32), ("transformer.h.0.ln_1.bias", "h.0.ln_1.bias", 1)]  # fmt: skip
+    for file_key, name, count in cases:  # 50 rows by 3; 32 rows by 1 (a row never splits); 32 floats
+        target = torch.full_like(expected[name], float("nan"))
+        pieces = list(iter_tensors(directory / "model.safetensors", {file_key: name}))
+        for _, index, piece in pieces:
+            target[index].copy_(piece)
+        assert len(pieces) == count and torch.equal(target, expected[name]), name
+    assert torch.equal(checkpoints.load(directory).wte.weight, model.wte.weight)  # loading uses the pieces
 
 
 @pytest.mark.parametrize(
