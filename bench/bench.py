@@ -290,14 +290,18 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: f
                 False,
             )
         weights = ours.info["weights"]
-        kv = KVCache.bytes_per_token(GPTConfig(), getattr(torch, hf_dtype)) * (len(prompt) + new)
+        per_token = KVCache.bytes_per_token(GPTConfig(), getattr(torch, hf_dtype))
+        kv = per_token * (len(prompt) + new)
+        # The largest cache the process held: batch 8 spans its longest prompt plus the new tokens.
+        kv_max = per_token * len(batch) * (max(map(len, batch)) + new) if "batch8" in measure else kv
+        budget = weights + kv_max + 350 * 10**6
         limit = bandwidth / weights
         mib = 2**20
         print(
             f"[{dtype}] weights {weights / mib:.0f} MiB (HF {hf.info['weights'] / mib:.0f}), "
-            f"KV cache for batch 1 {kv / mib:.1f} MiB;"
-            f" peak RSS ours {ours.peak_rss / mib:.0f} MiB, HF {hf.peak_rss / mib:.0f} MiB; "
-            f"bandwidth limit {limit:.0f} tok/s"
+            f"KV cache batch 1 {kv / mib:.1f} MiB, largest {kv_max / mib:.1f} MiB;"
+            f" peak RSS ours {ours.peak_rss / mib:.0f} MiB (budget weights + KV + 350 MB = "
+            f"{budget / mib:.0f} MiB), HF {hf.peak_rss / mib:.0f} MiB; bandwidth limit {limit:.0f} tok/s"
             + (f", ours at {rows['batch1']['ours'] / limit:.2f} of it" if "batch1" in rows else ""),
             flush=True,
         )
