@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import re
@@ -14,7 +16,7 @@ from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import FILE_DTYPES, PREFIX, file_shape, iter_tensors, model_key, read_header
 from model import GPT, GPTConfig
-from model.quant import quantize_int8
+from model.quant import quantize_child, quantize_int8
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
@@ -232,8 +234,32 @@ def load(
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
     params = dict(model.named_parameters())
+    unread = {name: p.numel() for name, p in params.items()}  # elements not read yet
     with torch.no_grad():
         for path, names in plan.items():
             for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
                 params[name][index].copy_(piece)
-    return quantize_int8(model) if quantize else model.eval()
+                unread[name] -= piece.numel()
+                if quantize and unread[name] == 0:
+                    _quantize_when_read(model, name, params, unread)
+    return quantize_int8(model) if quantize else model.eval()  # int8: what is left (nothing, normally)
+
+
+def _quantize_when_read(model: GPT, name: str, params: dict, unread: dict[str, int]) -> None:
+    """Quantize the layer owning parameter ``name`` once all its parameters are read, and drop its fp32
+    copy: a layer's fp32 pages are written (made resident) only while it is read, so an int8 load never
+    holds the whole fp32 model."""
+    module_path = name.rpartition(".")[0]
+    parent_path, _, child = module_path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    own = [f"{module_path}.{n}" for n, _ in getattr(parent, child).named_parameters()]
+    if all(unread[n] == 0 for n in own) and quantize_child(parent, child):
+        for n in own:
+            del params[n]
+        _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: no malloc_trim
+        ctypes.CDLL(None).malloc_trim(0)

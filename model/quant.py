@@ -14,6 +14,10 @@ from model.linear import TiedEmbedding
 COMPUTE_DTYPE = torch.bfloat16
 
 
+# Rows quantized per pass: bounds the fp32 temporary (4096 rows of 768: 12 MiB; GPT-2's head has 50,257).
+ROWS_PER_PASS = 4096
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: ``weight ~= q * scale[:, None]`` with ``q`` in [-127, 127].
 
@@ -23,9 +27,11 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = weight.detach().float()
     low, high = w.aminmax(dim=1)  # the largest magnitude per row, without an abs() copy of the matrix
     scale = (torch.maximum(-low, high) / 127.0).clamp(min=1e-12)
-    # One fp32 temporary (the quotient), rounded and clamped in place: the head is 154 MB in GPT-2 124M.
-    q = (w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.to(COMPUTE_DTYPE)
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    for start in range(0, w.shape[0], ROWS_PER_PASS):
+        rows = slice(start, start + ROWS_PER_PASS)
+        q[rows] = (w[rows] / scale[rows, None]).round_().clamp_(-127, 127)
+    return q, scale.to(COMPUTE_DTYPE)
 
 
 def _int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -67,6 +73,19 @@ class Int8TiedEmbedding(nn.Module):
         return _int8_mm(x, self.q, self.scale)
 
 
+def quantize_child(parent: nn.Module, name: str, *, include_head: bool = True) -> bool:
+    """Replace ``parent``'s child ``name`` by its int8 form if it is a linear layer (or, with
+    ``include_head``, the tied embedding/head). Returns whether it did; the fp32 child is dropped."""
+    child = getattr(parent, name)
+    if isinstance(child, nn.Linear):
+        setattr(parent, name, Int8Linear(child))
+    elif include_head and isinstance(child, TiedEmbedding):
+        setattr(parent, name, Int8TiedEmbedding(child))
+    else:
+        return False
+    return True
+
+
 def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
     """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int8 in place.
 
@@ -74,10 +93,7 @@ def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
     activation dtype. Returns the model, in eval mode; it is for inference only.
     """
     for module in list(model.modules()):  # quantized from the weights' own precision, before any cast
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Int8Linear(child))
-            elif include_head and isinstance(child, TiedEmbedding):
-                setattr(module, name, Int8TiedEmbedding(child))
+        for name, _ in list(module.named_children()):
+            quantize_child(module, name, include_head=include_head)
     model.to(COMPUTE_DTYPE)  # floating-point tensors only: the int8 matrices stay int8
     return model.eval()

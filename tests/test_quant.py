@@ -55,3 +55,25 @@ def test_int8_logits_stay_close_to_fp32():
     greedy = SamplingParams(temperature=0)
     rows = generate_ids(int8, ids[:, :5].tolist(), max_new_tokens=6, sampling=greedy, eos_id=None)
     assert all(len(r.token_ids) == 6 for r in rows)
+
+
+def test_rows_quantized_in_passes_equal_one_pass(monkeypatch):
+    torch.manual_seed(1)
+    w = torch.randn(103, 40)
+    whole = quantize_rows(w)
+    monkeypatch.setattr("model.quant.ROWS_PER_PASS", 10)  # 11 passes, the last one short
+    parts = quantize_rows(w)
+    assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
+
+
+def test_int8_load_quantizing_each_layer_as_read_equals_quantizing_after(tmp_path, tiny_config):
+    import checkpoints
+
+    checkpoints.save(make_model(tiny_config, seed=7), tmp_path)
+    streamed = checkpoints.load(tmp_path, dtype="int8")
+    after = quantize_int8(checkpoints.load(tmp_path))
+    assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
+    expected = after.state_dict()
+    assert streamed.state_dict().keys() == expected.keys()
+    for name, tensor in streamed.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
