@@ -61,6 +61,8 @@ class CausalAttention(nn.Module):
     @staticmethod
     def _causal_mask(context_length: int, device: torch.device | None) -> torch.Tensor:
         ones = torch.ones(context_length, context_length, dtype=torch.bool, device=device)
+        if ones.is_meta:  # shapes only; reset_buffers() builds the mask once the model has real memory
+            return ones  # (a meta triu runs a Python reference that imports torch._dynamo, 75 MB resident)
         return torch.triu(ones, diagonal=1)
 
     def reset_buffers(self) -> None:

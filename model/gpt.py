@@ -86,11 +86,21 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = TiedEmbedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        # Built on the meta device (shapes only: checkpoints.load then reads every weight), nothing is
+        # initialised: a meta normal_ runs a Python reference that imports torch._dynamo and sympy, 75 MB
+        # resident for the rest of the process. Given a weight, nn.Embedding skips its initialiser.
+        shapes_only = torch.empty(()).is_meta
+
+        def weight(rows: int) -> torch.Tensor | None:
+            return torch.empty(rows, config.n_embd) if shapes_only else None
+
+        self.wte = TiedEmbedding(config.vocab_size, config.n_embd, _weight=weight(config.vocab_size))
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=weight(config.n_positions))
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if shapes_only:
+            return
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual projection is divided by sqrt(2 * n_layer).
         for name, p in self.named_parameters():

@@ -410,3 +410,23 @@ def test_absurdly_nested_json_is_refused_not_a_recursion_error(ckpt):
     (ckpt[0] / "config.json").write_text("[" * 200_000)
     with pytest.raises(CheckpointError, match=r"config\.json nests JSON too deeply"):
         checkpoints.load(ckpt[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_loading_builds_on_meta_without_importing_the_compiler(tmp_path, dtype):
+    # Initialisers and triu on meta tensors run Python references that import torch._dynamo and sympy
+    # (75 MB resident for the rest of the process); loading skips them, as every weight is read anyway.
+    import subprocess
+    from pathlib import Path
+
+    directory, _ = tiny_checkpoint(tmp_path / "ckpt")
+    code = (
+        "import sys, checkpoints; m = checkpoints.load(sys.argv[1], dtype=sys.argv[2]); "
+        "assert 'torch._dynamo' not in sys.modules, 'loading imported torch._dynamo'; "
+        "assert m.h[0].attn.mask.sum() == m.config.n_positions * (m.config.n_positions - 1) // 2"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(directory), dtype], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
