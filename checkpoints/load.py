@@ -261,5 +261,5 @@ def _quantize_when_read(model: GPT, name: str, params: dict, unread: dict[str, i
 
 def _release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: no malloc_trim
+    with contextlib.suppress(OSError, AttributeError, TypeError):  # not glibc: no malloc_trim
         ctypes.CDLL(None).malloc_trim(0)
