@@ -16,7 +16,7 @@ from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import FILE_DTYPES, PREFIX, file_shape, iter_tensors, model_key, read_header
 from model import GPT, GPTConfig
-from model.quant import quantize_child, quantize_int8
+from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quantize_int8, quantize_rows
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
@@ -235,14 +235,29 @@ def load(
     model.reset_buffers()
     params = dict(model.named_parameters())
     unread = {name: p.numel() for name, p in params.items()}  # elements not read yet
+    if quantize:  # the int8 head, filled row piece by row piece: its fp32 pages are never written
+        vocab, width = params["wte.weight"].shape
+        head = torch.empty(vocab, width, dtype=torch.int8, device=device)
+        head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
     with torch.no_grad():
         for path, names in plan.items():
             for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
-                params[name][index].copy_(piece)
+                if quantize and name == "wte.weight":  # rows quantize independently (one scale each)
+                    head[index], head_scale[index] = quantize_rows(piece.to(device))
+                else:
+                    params[name][index].copy_(piece)
                 unread[name] -= piece.numel()
                 if quantize and unread[name] == 0:
-                    _quantize_when_read(model, name, params, unread)
-    return quantize_int8(model) if quantize else model.eval()  # int8: what is left (nothing, normally)
+                    if name == "wte.weight":
+                        model.wte = Int8TiedEmbedding(head, head_scale)
+                        del params[name]
+                    else:
+                        _quantize_when_read(model, name, params, unread)
+    if not quantize:
+        return model.eval()
+    model = quantize_int8(model)  # what is left (nothing, normally), and the rest to bf16
+    _release_freed_memory()
+    return model
 
 
 def _quantize_when_read(model: GPT, name: str, params: dict, unread: dict[str, int]) -> None:

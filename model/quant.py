@@ -59,9 +59,9 @@ class Int8TiedEmbedding(nn.Module):
     """A quantized :class:`TiedEmbedding`: one int8 matrix serves the lookup (rows times their scales)
     and the output head (an int8 product)."""
 
-    def __init__(self, embedding: nn.Embedding) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """From :func:`quantize_rows`' output for the embedding's weight: int8 (V, C) and bf16 (V,)."""
         super().__init__()
-        q, scale = quantize_rows(embedding.weight)
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
 
@@ -80,7 +80,7 @@ def quantize_child(parent: nn.Module, name: str, *, include_head: bool = True) -
     if isinstance(child, nn.Linear):
         setattr(parent, name, Int8Linear(child))
     elif include_head and isinstance(child, TiedEmbedding):
-        setattr(parent, name, Int8TiedEmbedding(child))
+        setattr(parent, name, Int8TiedEmbedding(*quantize_rows(child.weight)))
     else:
         return False
     return True
