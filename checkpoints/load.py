@@ -233,26 +233,18 @@ def load(
     plan = _plan(model, files)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.reset_buffers()
-    params = dict(model.named_parameters())
-    unread = {name: p.numel() for name, p in params.items()}  # elements not read yet
-    if quantize:  # the int8 head, filled row piece by row piece: its fp32 pages are never written
-        vocab, width = params["wte.weight"].shape
-        head = torch.empty(vocab, width, dtype=torch.int8, device=device)
-        head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
+    if quantize:
+        put = _Int8Load(model, device).put
+    else:
+        params = dict(model.named_parameters())
+
+        def put(name: str, index: tuple[slice, ...], piece: torch.Tensor) -> None:
+            params[name][index].copy_(piece)
+
     with torch.no_grad():
         for path, names in plan.items():
             for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
-                if quantize and name == "wte.weight":  # rows quantize independently (one scale each)
-                    head[index], head_scale[index] = quantize_rows(piece.to(device))
-                else:
-                    params[name][index].copy_(piece)
-                unread[name] -= piece.numel()
-                if quantize and unread[name] == 0:
-                    if name == "wte.weight":
-                        model.wte = Int8TiedEmbedding(head, head_scale)
-                        del params[name]
-                    else:
-                        _quantize_when_read(model, name, params, unread)
+                put(name, index, piece)
     if not quantize:
         return model.eval()
     model = quantize_int8(model)  # what is left (nothing, normally), and the rest to bf16
@@ -260,17 +252,47 @@ def load(
     return model
 
 
-def _quantize_when_read(model: GPT, name: str, params: dict, unread: dict[str, int]) -> None:
-    """Quantize the layer owning parameter ``name`` once all its parameters are read, and drop its fp32
-    copy: a layer's fp32 pages are written (made resident) only while it is read, so an int8 load never
-    holds the whole fp32 model."""
-    module_path = name.rpartition(".")[0]
-    parent_path, _, child = module_path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    own = [f"{module_path}.{n}" for n, _ in getattr(parent, child).named_parameters()]
-    if all(unread[n] == 0 for n in own) and quantize_child(parent, child):
+class _Int8Load:
+    """Fills a model loaded with ``dtype="int8"`` so that it never holds the whole fp32 model.
+
+    Each layer is quantized as soon as all its tensors are read, and its fp32 copy dropped: a layer's fp32
+    pages are written (made resident) only while it is read. The tied head is quantized row piece by row
+    piece as it arrives (rows quantize independently, one scale each), so its fp32 pages are never written.
+    """
+
+    HEAD = "wte.weight"
+
+    def __init__(self, model: GPT, device: torch.device) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())  # the only references besides the model's own
+        self.unread = {name: p.numel() for name, p in self.params.items()}  # elements not read yet
+        vocab, width = self.params[self.HEAD].shape
+        self.head = torch.empty(vocab, width, dtype=torch.int8, device=device)
+        self.head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
+
+    def put(self, name: str, index: tuple[slice, ...], piece: torch.Tensor) -> None:
+        """Place one piece from :func:`iter_tensors`; quantize its layer once the layer is complete."""
+        if name == self.HEAD:
+            self.head[index], self.head_scale[index] = quantize_rows(piece.to(self.head.device))
+        else:
+            self.params[name][index].copy_(piece)
+        self.unread[name] -= piece.numel()
+        if self.unread[name] == 0:
+            self._quantize_owner(name)
+
+    def _quantize_owner(self, name: str) -> None:
+        module_path = name.rpartition(".")[0]
+        parent_path, _, child = module_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path)
+        own = [f"{module_path}.{n}" for n, _ in getattr(parent, child).named_parameters()]
+        if any(self.unread[n] for n in own):
+            return
+        if name == self.HEAD:
+            setattr(parent, child, Int8TiedEmbedding(self.head, self.head_scale))
+        elif not quantize_child(parent, child):
+            return
         for n in own:
-            del params[n]
+            del self.params[n]
         _release_freed_memory()
 
 

@@ -86,23 +86,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
+class _LaidOut(nn.Module):
+    """Re-fits ``self.weight``'s layout after every ``.to()``/``to_empty()``: a cast keeps strides, but
+    the fastest order depends on the dtype."""
+
+    weight: nn.Parameter
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> _LaidOut:
+        super()._apply(fn, recurse)
+        fit_layout(self.weight)
+        return self
+
+
+class Linear(_LaidOut, nn.Linear):
     """``nn.Linear`` whose weight is laid out by :func:`fit_layout`; products run in :func:`linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs: object) -> None:
         super().__init__(in_features, out_features, bias, **kwargs)
         fit_layout(self.weight)
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Linear:
-        super()._apply(fn, recurse)
-        fit_layout(self.weight)  # .to(dtype) keeps strides, but the fastest order depends on the dtype
-        return self
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
-class TiedEmbedding(nn.Embedding):
+class TiedEmbedding(_LaidOut, nn.Embedding):
     """The token embedding, which is also the output head: :meth:`project` maps hidden states to logits.
 
     Its ``(vocab_size, n_embd)`` weight is laid out by :func:`fit_layout` for the head's product (in fp32,
@@ -112,11 +119,6 @@ class TiedEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, **kwargs: object) -> None:
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         fit_layout(self.weight)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TiedEmbedding:
-        super()._apply(fn, recurse)
-        fit_layout(self.weight)
-        return self
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""

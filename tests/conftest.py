@@ -29,6 +29,15 @@ def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:
     return model.eval()
 
 
+def greedy_by_recomputation(model: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: rerun the whole sequence through the uncached forward for every new token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < max_new_tokens and len(ids) < model.config.n_positions:
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
 @pytest.fixture(params=sorted(TINY_CONFIGS), ids=sorted(TINY_CONFIGS))
 def tiny_config(request: pytest.FixtureRequest) -> GPTConfig:
     """Each tiny configuration in turn."""

@@ -5,19 +5,10 @@ import torch
 import transformers
 
 import checkpoints
-from conftest import TINY_CONFIGS, make_model
+from conftest import TINY_CONFIGS, greedy_by_recomputation, make_model
 from generate import GenerationError, SamplingParams, generate_ids
 
 GREEDY = SamplingParams(temperature=0)
-
-
-def greedy_by_recomputation(model, prompt, max_new_tokens):
-    """Reference: rerun the whole sequence through the uncached forward for every new token."""
-    ids = list(prompt)
-    with torch.no_grad():
-        while len(ids) - len(prompt) < max_new_tokens and len(ids) < model.config.n_positions:
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def random_prompts(vocab, lengths, seed):

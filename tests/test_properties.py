@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoints import load_tokenizer
-from conftest import make_model
+from conftest import greedy_by_recomputation, make_model
 from generate import SamplingParams, engine, generate_ids
 from model import GPTConfig, KVCache
 
@@ -166,15 +166,6 @@ class NaNTailCache(KVCache):
         NaNTailCache.drops += 1
 
 
-def greedy_alone(model, prompt, max_new_tokens):
-    """Reference: greedy by rerunning the whole sequence through the uncached forward for each token."""
-    ids = list(prompt)
-    with torch.no_grad():
-        while len(ids) - len(prompt) < max_new_tokens and len(ids) < model.config.n_positions:
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 @SETTINGS
 @given(config=configs(), data=st.data())
 def test_decoder_never_reads_past_the_fill_level_even_when_the_window_end_shifts_the_cache(config, data):
@@ -200,4 +191,4 @@ def test_decoder_never_reads_past_the_fill_level_even_when_the_window_end_shifts
     assert outputs and all(outputs)  # every row's logits finite at every step, finished rows included
     for p, row in zip(prompts, rows, strict=True):
         assert len(p) + len(row.token_ids) == n and row.finish_reason == "length"
-        assert row.token_ids == greedy_alone(model, p, n)
+        assert row.token_ids == greedy_by_recomputation(model, p, n)
