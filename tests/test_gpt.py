@@ -65,3 +65,30 @@ def test_input_errors_name_the_limit():
     model(torch.zeros(1, 6, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="KV cache holds 8 positions but 10 are needed"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+
+
+def test_layers_share_one_causal_mask(tmp_path):
+    from _hf_helpers import tiny_checkpoint
+
+    import checkpoints
+
+    def shared(model: GPT) -> bool:
+        n = model.config.n_positions
+        first = model.h[0].attn.mask
+        return torch.equal(first, torch.ones(n, n, dtype=torch.bool).triu(1)) and all(
+            block.attn.mask.data_ptr() == first.data_ptr() for block in model.h
+        )
+
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=50, n_positions=16)
+    model = GPT(config)
+    assert shared(model)
+    assert shared(model.to(torch.bfloat16))
+    with torch.device("meta"):
+        empty = GPT(config)
+    empty.to_empty(device="cpu")  # buffers uninitialised
+    empty.reset_buffers()
+    assert shared(empty)
+    directory, _ = tiny_checkpoint(tmp_path / "ckpt")
+    assert shared(checkpoints.load(directory))
+    # the mask is non-persistent: not in the state dict, so checkpoints never carry it
+    assert not any(k.endswith("attn.mask") for k in model.state_dict())

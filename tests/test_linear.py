@@ -1,13 +1,15 @@
-"""Linear: column-major storage and oneDNN products change no result; training stays in F.linear."""
+"""Linear: column-major storage, oneDNN products and upcast bf16 products change no result beyond rounding;
+training stays in F.linear."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import checkpoints
+import model.linear
 from conftest import make_model
 from model import GPTConfig
-from model.linear import ONEDNN_MAX_ROWS, Linear, TiedEmbedding, _onednn_works, linear
+from model.linear import ONEDNN_MAX_ROWS, UPCAST_MIN_ROWS, Linear, TiedEmbedding, _onednn_works, linear
 
 
 def _onednn_calls(monkeypatch):
@@ -106,3 +108,48 @@ def test_loading_gives_each_dtype_its_layout(tmp_path, dtype):
     assert loaded.h[0].mlp.c_proj.weight.is_contiguous()  # more inputs than outputs: row-major
     for name, p in loaded.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[name].to(p.dtype)), name
+
+
+def _upcast_calls(monkeypatch, emulated: bool):
+    monkeypatch.setattr(model.linear, "_bf16_emulated", lambda: emulated)
+    monkeypatch.setattr(model.linear, "UPCAST_CHUNK_BYTES", 4 * 96 * 128)  # 128 output rows a piece
+    calls = []
+    real = model.linear._upcast_linear
+
+    def spy(x, weight, bias):
+        calls.append(tuple(x.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(model.linear, "_upcast_linear", spy)
+    return calls
+
+
+@pytest.mark.parametrize("rows", [UPCAST_MIN_ROWS, 40])
+def test_upcast_bf16_product_equals_the_fp32_product_rounded_to_bf16(monkeypatch, rows):
+    calls = _upcast_calls(monkeypatch, emulated=True)
+    torch.manual_seed(0)
+    w, b = torch.randn(1000, 96).bfloat16(), torch.randn(1000).bfloat16()  # 1000 rows: 8 pieces
+    for x in (torch.randn(rows, 96).bfloat16(), torch.randn(2, rows // 2, 96).bfloat16()):
+        with torch.no_grad():
+            for bias in (b, None):
+                got = linear(x, w, bias)
+                exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+                # fp32 sums in another order, then one rounding to bf16 (8 significant bits): at most one
+                # bf16 step (2**-7 relative) from the exact value rounded.
+                torch.testing.assert_close(got.double(), exact.bfloat16().double(), rtol=2**-7, atol=1e-6)
+    assert len(calls) == 4
+
+
+def test_only_many_row_bf16_inference_products_are_upcast(monkeypatch):
+    calls = _upcast_calls(monkeypatch, emulated=True)
+    layer = Linear(96, 300).to(torch.bfloat16)
+    many, few = torch.randn(UPCAST_MIN_ROWS, 96).bfloat16(), torch.randn(UPCAST_MIN_ROWS - 1, 96).bfloat16()
+    with torch.no_grad():
+        layer(many)
+        layer(few)  # few rows: the emulated bf16 product, faster than a copy of the weight
+    assert layer(many).requires_grad  # training keeps autograd's F.linear (no fp32 weight copies saved)
+    monkeypatch.setattr(model.linear, "_bf16_emulated", lambda: False)
+    with torch.no_grad():
+        layer(many)  # native bf16: no copy
+    assert calls == [(UPCAST_MIN_ROWS, 96)]

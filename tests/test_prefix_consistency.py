@@ -7,6 +7,7 @@ they differ only by the order of floating-point sums in matmuls of different sha
 import pytest
 import torch
 
+import model.linear
 from conftest import TINY_CONFIGS, make_model
 from model import KVCache
 
@@ -90,7 +91,7 @@ def test_left_padded_batch_rows_equal_each_prompt_alone(tiny_config, seed):
             assert (batched[i, longest - len(p) :] - alone).abs().max().item() <= FP32_TOL, i
 
 
-def test_bf16_cached_decoding_tracks_full_forward():
+def test_bf16_cached_decoding_tracks_full_forward(bf16_products):
     # Weights with std 0.1 give logits of magnitude up to ~3, where one bf16 ulp is 2**-6 (0.016). Two
     # computations of the same logits with matmuls of different shapes round differently: measured here,
     # up to 2 ulps (0.03). 0.08 (5 ulps) allows that and is still far below what a wrong mask or position
@@ -118,6 +119,14 @@ def test_bf16_cached_decoding_tracks_full_forward():
 BF16_TOL = 0.08
 
 
+@pytest.fixture(params=["upcast", "emulated"])
+def bf16_products(request, monkeypatch):
+    """Both CPU routes of bf16 products, whatever this CPU has: many-row products computed in fp32 on
+    upcast weights (as without native bf16) or all of them in bf16 kernels (as with it)."""
+    monkeypatch.setattr(model.linear, "_bf16_emulated", lambda: request.param == "upcast")
+    return request.param
+
+
 def random_chunks(total, g):
     """A random schedule of chunk sizes summing to ``total``, drawn from the generator ``g``."""
     chunks = []
@@ -127,7 +136,7 @@ def random_chunks(total, g):
 
 
 @pytest.mark.parametrize("seed", [7, 8, 9])
-def test_bf16_chunked_prefill_tracks_full_forward(tiny_config, seed):
+def test_bf16_chunked_prefill_tracks_full_forward(tiny_config, seed, bf16_products):
     model = make_model(tiny_config, seed=seed, std=0.1).to(torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     n = tiny_config.n_positions
@@ -143,7 +152,7 @@ def test_bf16_chunked_prefill_tracks_full_forward(tiny_config, seed):
 
 
 @pytest.mark.parametrize("seed", [7, 8])
-def test_bf16_left_padded_batch_rows_track_each_row_alone(tiny_config, seed):
+def test_bf16_left_padded_batch_rows_track_each_row_alone(tiny_config, seed, bf16_products):
     model = make_model(tiny_config, seed=seed, std=0.1).to(torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     n = tiny_config.n_positions
