@@ -231,7 +231,10 @@ def load(
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
     plan = _plan(model, files)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
+    # Uninitialised memory on the device, strides kept: what to_empty does, but to_empty calls
+    # torch.empty_like on meta tensors, whose first call imports sympy (36 MiB resident from then on).
+    model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     model.reset_buffers()
     if quantize:
         put = _Int8Load(model, device).put
@@ -245,11 +248,10 @@ def load(
         for path, names in plan.items():
             for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
                 put(name, index, piece)
-    if not quantize:
-        return model.eval()
-    model = quantize_int8(model)  # what is left (nothing, normally), and the rest to bf16
-    _release_freed_memory()
-    return model
+    if quantize:
+        model = quantize_int8(model)  # what is left (nothing, normally), and the rest to bf16
+    _release_freed_memory()  # the pieces read are freed, but the heap they grew stays resident without this
+    return model.eval()
 
 
 class _Int8Load:
