@@ -166,19 +166,19 @@ class Worker:
 
 
 def cpu_description() -> str:
-    """The CPU's model name and whether it computes bf16 natively (without it bf16 products are emulated)."""
+    """The CPU's model name, vector extensions, and whether bf16 is native (as ``model.linear`` decides it:
+    without it, bf16 products are emulated and long ones run in fp32)."""
+    from model.linear import _bf16_emulated  # the check that picks our bf16 route, not a second one
+
     try:
         with open("/proc/cpuinfo") as f:
-            info = f.read()
+            info = f.read().splitlines()
     except OSError:
-        return f"cpu: {platform.processor() or 'unknown'}"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if "model name" in line), "?")
-    flags = set(
-        next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    )
-    vector = sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
-    native = bool(flags & {"avx512_bf16", "amx_bf16"})
-    return f"cpu: {name}; {', '.join(vector) or 'no AVX'} (bf16 native: {native})"
+        info = []
+    name = next((line.split(":", 1)[1].strip() for line in info if "model name" in line), None)
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    vector = ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})) or "no AVX flags"
+    return f"cpu: {name or platform.processor() or 'unknown'}; {vector} (bf16 native: {not _bf16_emulated()})"
 
 
 def read_bandwidth() -> float:
