@@ -70,12 +70,8 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
     if kind == "ours":
         import checkpoints
         from generate import SamplingParams, generate_ids
-        from model.quant import quantize_int8
 
-        if dtype_name == "int8-body":  # int8 blocks, bf16 output head
-            model = quantize_int8(checkpoints.load(directory), include_head=False)
-        else:  # float32, bfloat16, or "int8" (head included)
-            model = checkpoints.load(directory, dtype=dtype_name)
+        model = checkpoints.load(directory, dtype=dtype_name)  # int8-body: int8 blocks, bf16 output head
         greedy = SamplingParams(temperature=0)
 
         def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:

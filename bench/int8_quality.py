@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import checkpoints
 from checkpoints.corpus import prepare
-from model.quant import quantize_int8
 
 
 @torch.inference_mode()
@@ -49,11 +48,11 @@ def main() -> None:
     window = reference.config.n_positions
     ref_loss, ref_pred = evaluate(reference, tokens, window)
     print(f"fp32: held-out loss {ref_loss:.4f} over {len(ref_pred)} tokens")
-    for include_head in (True, False):
-        model = quantize_int8(checkpoints.load(args.checkpoint), include_head=include_head)
+    for mode, head in checkpoints.INT8_MODES.items():
+        model = checkpoints.load(args.checkpoint, dtype=mode)
         loss, pred = evaluate(model, tokens, window)
         agree = (pred == ref_pred).float().mean().item()
-        print(f"int8 ({'head included' if include_head else 'head in bf16'}): loss {loss:.4f} "
+        print(f"{mode} ({'head included' if head else 'head in bf16'}): loss {loss:.4f} "
               f"({loss - ref_loss:+.4f} nats vs fp32), top-1 agreement with fp32 {agree:.2%}")  # fmt: skip
 
 

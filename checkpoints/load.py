@@ -20,6 +20,8 @@ from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quanti
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
+# The weight-only int8 dtype names, and whether each quantizes the output head (the tied embedding) too.
+INT8_MODES = {"int8": True, "int8-body": False}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -210,7 +212,8 @@ def load(
         config: a :class:`GPTConfig`, a preset name or a ``config.json`` path, overriding the directory's.
         device: where to put the model (default CPU).
         dtype: ``float32`` (default), ``bfloat16`` or ``float16``, as a torch dtype or a name; or
-            ``"int8"``: int8 weights with per-row scales (output head included), bf16 activations.
+            ``"int8"``: int8 weights with per-row scales (output head included), bf16 activations; or
+            ``"int8-body"``: the same with the tied embedding and output head kept in bf16.
 
     Returns:
         The model, in eval mode, on ``device`` in ``dtype``.
@@ -224,20 +227,27 @@ def load(
     Example:
         >>> model = load("shakespeare", dtype="bfloat16")  # doctest: +SKIP
     """
-    quantize = dtype == "int8"  # weight-only int8: loaded in fp32, quantized, computed in bf16
-    dtype = torch.float32 if quantize else resolve_dtype(dtype)
+    # Weight-only int8: linear layers read in fp32 and quantized, computed in bf16.
+    include_head = INT8_MODES.get(dtype) if isinstance(dtype, str) else None
+    quantize = include_head is not None
+    try:
+        dtype = torch.float32 if quantize else resolve_dtype(dtype)
+    except ValueError as e:
+        raise ValueError(f"{e}, or {' or '.join(INT8_MODES)} (weight-only int8)") from None
     device = resolve_device(device, torch.bfloat16 if quantize else dtype)
     cfg, files = _resolve(source, config)
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
     plan = _plan(model, files)
     model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
+    if quantize and not include_head:
+        model.wte.to(COMPUTE_DTYPE)  # the head stays bf16: its pieces are cast as read, never held in fp32
     # Uninitialised memory on the device, strides kept: what to_empty does, but to_empty calls
     # torch.empty_like on meta tensors, whose first call imports sympy (36 MiB resident from then on).
     model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     model.reset_buffers()
     if quantize:
-        put = _Int8Load(model, device).put
+        put = _Int8Load(model, device, include_head=include_head).put
     else:
         params = dict(model.named_parameters())
 
@@ -249,7 +259,8 @@ def load(
             for name, index, piece in iter_tensors(path, names):  # one piece (<= 16 MiB) at a time
                 put(name, index, piece)
     if quantize:
-        model = quantize_int8(model)  # what is left (nothing, normally), and the rest to bf16
+        # What is left (nothing, normally) is quantized, and the rest cast to bf16.
+        model = quantize_int8(model, include_head=include_head)
     _release_freed_memory()  # the pieces read are freed, but the heap they grew stays resident without this
     return model.eval()
 
@@ -258,23 +269,26 @@ class _Int8Load:
     """Fills a model loaded with ``dtype="int8"`` so that it never holds the whole fp32 model.
 
     Each layer is quantized as soon as all its tensors are read, and its fp32 copy dropped: a layer's fp32
-    pages are written (made resident) only while it is read. The tied head is quantized row piece by row
-    piece as it arrives (rows quantize independently, one scale each), so its fp32 pages are never written.
+    pages are written (made resident) only while it is read. With ``include_head`` the tied head is
+    quantized row piece by row piece as it arrives (rows quantize independently, one scale each), so its
+    fp32 pages are never written; without, the model holds it in bf16 already and the pieces are cast into it.
     """
 
     HEAD = "wte.weight"
 
-    def __init__(self, model: GPT, device: torch.device) -> None:
+    def __init__(self, model: GPT, device: torch.device, *, include_head: bool) -> None:
         self.model = model
+        self.include_head = include_head
         self.params = dict(model.named_parameters())  # the only references besides the model's own
         self.unread = {name: p.numel() for name, p in self.params.items()}  # elements not read yet
-        vocab, width = self.params[self.HEAD].shape
-        self.head = torch.empty(vocab, width, dtype=torch.int8, device=device)
-        self.head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
+        if include_head:
+            vocab, width = self.params[self.HEAD].shape
+            self.head = torch.empty(vocab, width, dtype=torch.int8, device=device)
+            self.head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
 
     def put(self, name: str, index: tuple[slice, ...], piece: torch.Tensor) -> None:
         """Place one piece from :func:`iter_tensors`; quantize its layer once the layer is complete."""
-        if name == self.HEAD:
+        if name == self.HEAD and self.include_head:
             self.head[index], self.head_scale[index] = quantize_rows(piece.to(self.head.device))
         else:
             self.params[name][index].copy_(piece)
@@ -289,9 +303,9 @@ class _Int8Load:
         own = [f"{module_path}.{n}" for n, _ in getattr(parent, child).named_parameters()]
         if any(self.unread[n] for n in own):
             return
-        if name == self.HEAD:
+        if name == self.HEAD and self.include_head:
             setattr(parent, child, Int8TiedEmbedding(self.head, self.head_scale))
-        elif not quantize_child(parent, child):
+        elif not quantize_child(parent, child, include_head=False):
             return
         for n in own:
             del self.params[n]

@@ -209,7 +209,8 @@ def load(
     Args:
         source: a checkpoint directory or file, a shipped name (default ``"shakespeare"``) or a hub id.
         device: where to run (default CPU).
-        dtype: ``float32`` (default), ``bfloat16``, ``float16`` or ``"int8"`` (int8 weights, bf16 compute).
+        dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``"int8"`` (int8 weights, bf16 compute) or
+            ``"int8-body"`` (the same with the output head in bf16).
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP

@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        help="weights and compute: float32 (default), bfloat16, float16, or int8 weights with bf16 compute",
+        choices=["float32", "bfloat16", "float16", "int8", "int8-body"],
+        help="weights and compute: float32 (default), bfloat16, float16, or int8 weights with bf16 compute "
+        "(int8-body: output head in bf16)",
     )
     p.add_argument(
         "--max-new-tokens", "-n", type=int, default=100, help="tokens to generate at most (default 100)"
@@ -182,13 +183,13 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.logprobs and not args.json:
         parser.error("--logprobs only shows in JSON output; add --json")
     # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
-    from checkpoints import resolve_device, resolve_dtype
+    from checkpoints import INT8_MODES, resolve_device, resolve_dtype
     from generate.engine import check_seed
     from generate.sampling import SamplingParams
 
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
-        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype == "int8" else args.dtype))
+        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in INT8_MODES else args.dtype))
     except ValueError as e:
         parser.error(str(e))
     if args.seed is not None:

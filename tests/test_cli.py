@@ -117,6 +117,21 @@ def test_greedy_output_equals_the_api(ckpt, gen, capsys):
     assert record["token_ids"] == expected.token_ids
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int8-body"])
+def test_dtype_option_loads_the_model_in_that_dtype(ckpt, gen, dtype, capsys):
+    args = ["The quick brown fox", "-c", ckpt, "--json", "-n", "8", "-t", "0", "--logprobs"]
+    assert main([*args, "--dtype", dtype]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    prompt = "The quick brown fox"
+    expected = generate.load(ckpt, dtype=dtype).generate(
+        prompt, max_new_tokens=8, temperature=0, logprobs=True
+    )
+    assert record["token_ids"] == expected.token_ids
+    assert record["logprobs"] == pytest.approx(expected.logprobs, abs=1e-6)
+    fp32 = gen.generate(prompt, max_new_tokens=8, temperature=0, logprobs=True)  # the dtype made a difference
+    assert record["logprobs"][0] != pytest.approx(fp32.logprobs[0], abs=1e-6)
+
+
 def test_prompts_file_gives_one_object_per_prompt_in_order(ckpt, gen, capsys, tmp_path):
     prompts = ["First prompt", "Second, longer prompt here", "x", "Fourth café ✓"]
     path = tmp_path / "prompts.txt"

@@ -1,5 +1,6 @@
 """Int8 weight-only quantization: error bounds, cached decoding of the quantized model, closeness to fp32."""
 
+import pytest
 import torch
 
 from conftest import TINY_CONFIGS, make_model
@@ -66,12 +67,15 @@ def test_rows_quantized_in_passes_equal_one_pass(monkeypatch):
     assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
 
 
-def test_int8_load_quantizing_each_layer_as_read_equals_quantizing_after(tmp_path, tiny_config):
+@pytest.mark.parametrize(("mode", "include_head"), [("int8", True), ("int8-body", False)])
+def test_int8_load_quantizing_each_layer_as_read_equals_quantizing_after(
+    tmp_path, tiny_config, mode, include_head
+):
     import checkpoints
 
     checkpoints.save(make_model(tiny_config, seed=7), tmp_path)
-    streamed = checkpoints.load(tmp_path, dtype="int8")
-    after = quantize_int8(checkpoints.load(tmp_path))
+    streamed = checkpoints.load(tmp_path, dtype=mode)
+    after = quantize_int8(checkpoints.load(tmp_path), include_head=include_head)
     assert [type(m) for m in streamed.modules()] == [type(m) for m in after.modules()]
     expected = after.state_dict()
     assert streamed.state_dict().keys() == expected.keys()
