@@ -14,6 +14,21 @@ from model import KVCache
 FP32_TOL = 1e-5
 
 
+@pytest.fixture(params=["row blocks", "one product"])
+def fp32_products(request, monkeypatch):
+    """Both CPU routes of few-row fp32 products, whatever this machine's thread count: weights split in
+    two row blocks (as on two threads), or one product per weight (oneDNN or MKL, as on one thread)."""
+    blocks = 2 if request.param == "row blocks" else 0
+    monkeypatch.setattr(
+        model.linear, "_row_blocks", lambda w: blocks if w.shape[0] % 2 == 0 and w.is_contiguous() else 0
+    )
+    calls = []
+    real = model.linear._blocked_linear
+    monkeypatch.setattr(model.linear, "_blocked_linear", lambda *args: calls.append(1) or real(*args))
+    yield request.param
+    assert bool(calls) == bool(blocks), f"{request.param}: {len(calls)} row-block products"
+
+
 def decode_logits(model, ids, chunks, attention_mask=None):
     """Logits for every position of ``ids`` computed through the cache, ``chunks`` positions at a time."""
     cache = KVCache(model.config, ids.shape[0], ids.shape[1], dtype=model.wte.weight.dtype)
@@ -28,7 +43,7 @@ def decode_logits(model, ids, chunks, attention_mask=None):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_prefill_then_one_token_at_a_time_equals_full_forward(tiny_config, seed):
+def test_prefill_then_one_token_at_a_time_equals_full_forward(tiny_config, seed, fp32_products):
     model = make_model(tiny_config, seed=seed)
     torch.manual_seed(seed + 10)
     n = tiny_config.n_positions
@@ -40,7 +55,7 @@ def test_prefill_then_one_token_at_a_time_equals_full_forward(tiny_config, seed)
             assert (cached - full).abs().max().item() <= FP32_TOL, prefill
 
 
-def test_every_prefix_alone_equals_full_forward_row(tiny_config):
+def test_every_prefix_alone_equals_full_forward_row(tiny_config, fp32_products):
     model = make_model(tiny_config, seed=3)
     n = tiny_config.n_positions
     ids = torch.randint(0, tiny_config.vocab_size, (1, n), generator=torch.Generator().manual_seed(3))
@@ -52,7 +67,7 @@ def test_every_prefix_alone_equals_full_forward_row(tiny_config):
 
 
 @pytest.mark.parametrize("chunks", [[3, 1, 7, 2, 11, 1], [1, 16, 2, 5], [13, 13, 3]])
-def test_uneven_chunked_prefill_equals_full_forward(chunks):
+def test_uneven_chunked_prefill_equals_full_forward(chunks, fp32_products):
     config = TINY_CONFIGS["5x3x48"]
     model = make_model(config, seed=4)
     ids = torch.randint(0, config.vocab_size, (3, sum(chunks)), generator=torch.Generator().manual_seed(4))
@@ -71,7 +86,7 @@ def left_pad(prompts, pad_id=0):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_left_padded_batch_rows_equal_each_prompt_alone(tiny_config, seed):
+def test_left_padded_batch_rows_equal_each_prompt_alone(tiny_config, seed, fp32_products):
     model = make_model(tiny_config, seed=seed)
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 30, 7] if tiny_config.n_positions > 40 else [1, 30, 7][:2]
