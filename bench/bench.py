@@ -235,7 +235,7 @@ def report(name: str, unit: str, a: list[float], b: list[float], higher_is_bette
     return row
 
 
-def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: float) -> dict[str, dict]:
+def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str, dict]:
     import torch
 
     from model import GPTConfig, KVCache
@@ -264,12 +264,16 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: f
             raise SystemExit("fp32 greedy tokens differ from transformers: not timing a wrong answer")
         measure = set(args.measure.split(","))
         rows = {}
+        bandwidths = []  # read before each of our batch-1 rounds: this machine's bandwidth drifts
+
+        def batch1(w: Worker) -> float:
+            if w is ours:
+                bandwidths.append(read_bandwidth())
+            return decode_rate(w, [prompt], new)
+
         if "batch1" in measure:
             rows["batch1"] = report(
-                f"[{label}] decode batch 1 ({new} new)",
-                "tok/s",
-                *alternate(ours, hf, lambda w: decode_rate(w, [prompt], new), rounds),
-                True,
+                f"[{label}] decode batch 1 ({new} new)", "tok/s", *alternate(ours, hf, batch1, rounds), True
             )
         if "batch8" in measure:
             rows["batch8"] = report(
@@ -291,16 +295,24 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, bandwidth: f
         # The largest cache the process held: batch 8 spans its longest prompt plus the new tokens.
         kv_max = per_token * len(batch) * (max(map(len, batch)) + new) if "batch8" in measure else kv
         budget = weights + kv_max + 350 * 10**6
-        limit = bandwidth / weights
+        bandwidth = statistics.median(bandwidths) if bandwidths else None
         mib = 2**20
         print(
             f"[{dtype}] weights {weights / mib:.0f} MiB (HF {hf.info['weights'] / mib:.0f}), "
             f"KV cache batch 1 {kv / mib:.1f} MiB, largest {kv_max / mib:.1f} MiB;"
             f" peak RSS ours {ours.peak_rss / mib:.0f} MiB (budget weights + KV + 350 MB = "
-            f"{budget / mib:.0f} MiB), HF {hf.peak_rss / mib:.0f} MiB; bandwidth limit {limit:.0f} tok/s"
-            + (f", ours at {rows['batch1']['ours'] / limit:.2f} of it" if "batch1" in rows else ""),
+            f"{budget / mib:.0f} MiB), HF {hf.peak_rss / mib:.0f} MiB",
             flush=True,
         )
+        if bandwidth:
+            limit = bandwidth / weights
+            print(
+                f"[{dtype}] read bandwidth (1 GiB sum, before each batch-1 round): median "
+                f"{bandwidth / 1e9:.1f} GB/s ({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
+                f"bandwidth limit {limit:.0f} tok/s, our batch 1 at "
+                f"{rows['batch1']['ours'] / limit:.2f} of it",
+                flush=True,
+            )
     finally:
         ours.close()
         hf.close()
@@ -322,13 +334,11 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     print(cpu_description(), flush=True)
-    bandwidth = read_bandwidth()
-    print(f"read bandwidth (1 GiB sum): {bandwidth / 1e9:.1f} GB/s", flush=True)
     with tempfile.TemporaryDirectory() as directory:
         torch.manual_seed(0)
         transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
         for dtype in args.dtypes.split(","):
-            run_dtype(directory, dtype, args, bandwidth)
+            run_dtype(directory, dtype, args)
 
 
 if __name__ == "__main__":
