@@ -264,11 +264,10 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str,
             raise SystemExit("fp32 greedy tokens differ from transformers: not timing a wrong answer")
         measure = set(args.measure.split(","))
         rows = {}
-        bandwidths = []  # read before each of our batch-1 rounds: this machine's bandwidth drifts
+        bandwidths = []  # read before every batch-1 call (both libraries alike): the bandwidth drifts
 
         def batch1(w: Worker) -> float:
-            if w is ours:
-                bandwidths.append(read_bandwidth())
+            bandwidths.append(read_bandwidth())
             return decode_rate(w, [prompt], new)
 
         if "batch1" in measure:
@@ -307,7 +306,7 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str,
         if bandwidth:
             limit = bandwidth / weights
             print(
-                f"[{dtype}] read bandwidth (1 GiB sum, before each batch-1 round): median "
+                f"[{dtype}] read bandwidth (1 GiB sum, before each batch-1 call): median "
                 f"{bandwidth / 1e9:.1f} GB/s ({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
                 f"bandwidth limit {limit:.0f} tok/s, our batch 1 at "
                 f"{rows['batch1']['ours'] / limit:.2f} of it",

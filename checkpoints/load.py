@@ -233,7 +233,8 @@ def load(
     try:
         dtype = torch.float32 if quantize else resolve_dtype(dtype)
     except ValueError as e:
-        raise ValueError(f"{e}, or {' or '.join(INT8_MODES)} (weight-only int8)") from None
+        modes = ", ".join(repr(m) for m in INT8_MODES)
+        raise ValueError(f"{e}, or the names {modes} (weight-only int8)") from None
     device = resolve_device(device, torch.bfloat16 if quantize else dtype)
     cfg, files = _resolve(source, config)
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
@@ -266,7 +267,8 @@ def load(
 
 
 class _Int8Load:
-    """Fills a model loaded with ``dtype="int8"`` so that it never holds the whole fp32 model.
+    """Fills a model loaded with ``dtype="int8"`` or ``"int8-body"`` so that it never holds the whole fp32
+    model.
 
     Each layer is quantized as soon as all its tensors are read, and its fp32 copy dropped: a layer's fp32
     pages are written (made resident) only while it is read. With ``include_head`` the tied head is

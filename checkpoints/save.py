@@ -13,6 +13,7 @@ from checkpoints.load import INDEX_FILE, SINGLE_FILE
 from checkpoints.placement import resolve_dtype
 from checkpoints.safetensors_io import write_safetensors
 from model import GPT
+from model.quant import Int8Linear, Int8TiedEmbedding
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -51,8 +52,14 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
         The directory.
 
     Raises:
-        ValueError: for an unsupported ``dtype``.
+        ValueError: for an unsupported ``dtype``, or an int8-quantized model (its linear layers hold int8
+            matrices and scales, which the GPT-2 layout has no place for).
     """
+    if any(isinstance(m, (Int8Linear, Int8TiedEmbedding)) for m in model.modules()):
+        raise ValueError(
+            "this model is int8-quantized (loaded with dtype='int8' or 'int8-body'): its int8 matrices "
+            "cannot be stored as GPT-2 weights; save the model loaded in float32 or bfloat16 instead"
+        )
     directory = Path(directory)
     store = resolve_dtype(dtype) if dtype is not None else model.wte.weight.dtype
     resolve_dtype(store)

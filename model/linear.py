@@ -9,13 +9,15 @@ time to stream the weights from memory. How fast PyTorch's CPU kernels stream th
   running the blocks as one batched product (``torch.bmm``, which runs the blocks in parallel: 24 products
   of 3072 x 768 read 10.8 GB/s as one block on 2 threads, 17.7 as two) lets every thread stream its own
   stretch of memory. :func:`linear` does this for fp32 CPU inference products of at
-  most ``BLOCKED_MAX_ROWS`` rows whose output count the thread count divides. GPT-2 124M on 2 threads,
+  most ``BLOCKED_MAX_ROWS`` rows whose output count the thread count divides (measured on 2 threads only;
+  elsewhere, e.g. 5 or 7 threads and GPT-2's 768 outputs, products go to oneDNN). GPT-2 124M on 2 threads,
   against oneDNN's inner product (the route before, see below), medians of 6 alternated runs: a decode step
   at batch 1 38.8 -> 31.9 ms, at batch 8 82.8 -> 76.1 ms; a 64-token prefill 166 -> 133 ms. The gain is in
   the products with no more outputs than inputs (768 x 768 and 768 x 3072: 12 -> 16 and 17 -> 20 GB/s).
 - oneDNN. ``torch.ops.mkldnn._linear_pointwise`` (what ``torch.compile`` uses for CPU linears) reads a plain
   weight in place and uses both cores. It takes the fp32 products of at most ``ONEDNN_MAX_ROWS`` rows that
-  cannot be split in blocks: the output head (50,257 rows), or a single thread.
+  do not run in row blocks: the output head (stored column-major, see below), weights whose rows the
+  threads do not divide, and everything on a single thread.
 - Layout. The head's weight reads faster stored column-major, as ``(in, out)`` in memory, in fp32 (one-row
   products 7.97 ms column-major, 9.84 ms row-major, 9.26 ms in row blocks), and row-major in bf16 (a
   column-major 512 x 768 x 2304 bf16 product took 1.5 s, row-major 91 ms): :func:`fit_layout` picks the
@@ -46,7 +48,8 @@ from torch import nn
 
 
 def prefers_column_major(weight: torch.Tensor) -> bool:
-    """Whether products read this ``(out, in)`` weight faster column-major: fp32 with ``out >= in``."""
+    """Whether the tied head's products read this ``(out, in)`` weight faster column-major: fp32 with
+    ``out >= in``. (The other linear layers stay row-major for the row blocks.)"""
     return weight.dtype == torch.float32 and weight.shape[0] >= weight.shape[1]
 
 
@@ -85,9 +88,9 @@ def _blocked_linear(
 ) -> torch.Tensor:
     """``F.linear`` as one batched product over ``blocks`` contiguous row blocks of ``weight``."""
     out_features, in_features = weight.shape
-    rows = x.reshape(1, -1, in_features).expand(blocks, -1, -1)
+    rows = x.reshape(1, x.numel() // max(in_features, 1), in_features).expand(blocks, -1, -1)
     w = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/blocks)
-    y = torch.bmm(rows, w) if bias is None else torch.baddbmm(bias.view(blocks, 1, -1), rows, w)
+    y = torch.bmm(rows, w) if bias is None else torch.baddbmm(bias.reshape(blocks, 1, -1), rows, w)
     return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (blocks, R, out/blocks) -> (..., out)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import model.linear
 from model import GPT, GPTConfig
 
 # Small but varied shapes: odd head counts, short windows, a non-default MLP width and activation.
@@ -42,6 +43,21 @@ def greedy_by_recomputation(model: GPT, prompt: list[int], max_new_tokens: int) 
 def tiny_config(request: pytest.FixtureRequest) -> GPTConfig:
     """Each tiny configuration in turn."""
     return TINY_CONFIGS[request.param]
+
+
+@pytest.fixture(params=["row blocks", "one product"])
+def fp32_products(request, monkeypatch):
+    """Both CPU routes of few-row fp32 products, whatever this machine's thread count: weights split in
+    two row blocks (as on two threads), or one product per weight (oneDNN or MKL, as on one thread)."""
+    blocks = 2 if request.param == "row blocks" else 0
+    monkeypatch.setattr(
+        model.linear, "_row_blocks", lambda w: blocks if w.shape[0] % 2 == 0 and w.is_contiguous() else 0
+    )
+    calls = []
+    real = model.linear._blocked_linear
+    monkeypatch.setattr(model.linear, "_blocked_linear", lambda *args: calls.append(1) or real(*args))
+    yield request.param
+    assert bool(calls) == bool(blocks), f"{request.param}: {len(calls)} row-block products"
 
 
 # The models here are tiny: one thread is faster than two, and it leaves the other core to a parallel job.

@@ -12,7 +12,7 @@ import pytest
 import checkpoints
 import generate
 from conftest import make_model
-from generate.cli import main
+from generate.cli import build_parser, main
 from model import GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,3 +293,13 @@ def test_the_command_module_imports_no_torch_until_it_runs():
     # --help and Ctrl-C during startup must not wait for torch: cli imports it inside main().
     code = "import sys, generate, generate.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_dtype_choices_are_every_load_dtype():
+    # The choices are written out in cli.py (importing checkpoints would import torch before it runs).
+    from checkpoints import INT8_MODES
+    from checkpoints.placement import DTYPES
+
+    [action] = [a for a in build_parser()._actions if "--dtype" in a.option_strings]
+    long_names = {name for name, dtype in DTYPES.items() if str(dtype).removeprefix("torch.") == name}
+    assert set(action.choices) == long_names | set(INT8_MODES)

@@ -71,8 +71,10 @@ def test_row_blocks_are_one_per_thread_where_the_threads_divide_the_rows(monkeyp
 
 
 @pytest.mark.skipif(not _onednn_works(), reason="this PyTorch build has no oneDNN")
-@pytest.mark.parametrize("rows", [1, 3, 8, 64])
-def test_onednn_product_equals_plain_product_in_every_layout(rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, ONEDNN_MAX_ROWS])
+def test_onednn_product_equals_plain_product_in_every_layout(rows, monkeypatch):
+    monkeypatch.setattr(model.linear, "_row_blocks", lambda weight: 0)  # whatever the thread count
+    calls = _onednn_calls(monkeypatch)
     torch.manual_seed(0)
     w, b = torch.randn(1000, 96), torch.randn(1000)
     for weight in (w, w.t().contiguous().t()):  # row- and column-major
@@ -81,6 +83,8 @@ def test_onednn_product_equals_plain_product_in_every_layout(rows):
                 # The same dot products summed in another order: values of size ~10 agree to ~1e-6.
                 assert torch.allclose(linear(x, weight, b), F.linear(x, w, b), atol=1e-4, rtol=0)
                 assert torch.allclose(linear(x, weight), F.linear(x, w), atol=1e-4, rtol=0)
+    # 2 layouts x 2 calls for each input of at most ONEDNN_MAX_ROWS rows; longer ones go to MKL
+    assert len(calls) == 2 * 2 * sum(n <= ONEDNN_MAX_ROWS for n in (rows, 2 * rows, 2 * rows))
 
 
 @pytest.mark.skipif(not _onednn_works(), reason="this PyTorch build has no oneDNN")
@@ -106,8 +110,9 @@ def test_each_fp32_product_takes_its_route(monkeypatch):
 
 def test_without_onednn_products_fall_back_to_f_linear(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    monkeypatch.setattr(model.linear, "_row_blocks", lambda weight: 0)  # whatever the thread count
     calls = _onednn_calls(monkeypatch)
-    layer = Linear(64, 511)  # no row blocks
+    layer = Linear(64, 512)
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))

@@ -14,21 +14,6 @@ from model import KVCache
 FP32_TOL = 1e-5
 
 
-@pytest.fixture(params=["row blocks", "one product"])
-def fp32_products(request, monkeypatch):
-    """Both CPU routes of few-row fp32 products, whatever this machine's thread count: weights split in
-    two row blocks (as on two threads), or one product per weight (oneDNN or MKL, as on one thread)."""
-    blocks = 2 if request.param == "row blocks" else 0
-    monkeypatch.setattr(
-        model.linear, "_row_blocks", lambda w: blocks if w.shape[0] % 2 == 0 and w.is_contiguous() else 0
-    )
-    calls = []
-    real = model.linear._blocked_linear
-    monkeypatch.setattr(model.linear, "_blocked_linear", lambda *args: calls.append(1) or real(*args))
-    yield request.param
-    assert bool(calls) == bool(blocks), f"{request.param}: {len(calls)} row-block products"
-
-
 def decode_logits(model, ids, chunks, attention_mask=None):
     """Logits for every position of ``ids`` computed through the cache, ``chunks`` positions at a time."""
     cache = KVCache(model.config, ids.shape[0], ids.shape[1], dtype=model.wte.weight.dtype)

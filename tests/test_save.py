@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import checkpoints
 import checkpoints.safetensors_io
+from conftest import make_model
 from model import GPT, GPTConfig
 
 CONFIGS = {
@@ -102,6 +103,16 @@ def test_unsupported_dtype(tmp_path, model_dtype, dtype, shown):
     with pytest.raises(ValueError, match=f"unsupported dtype {shown}"):
         checkpoints.save(our_model().to(model_dtype), tmp_path / "ck", dtype=dtype)
     assert not (tmp_path / "ck").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-body"])
+def test_an_int8_model_is_refused_and_nothing_is_written(tmp_path, mode):
+    source = checkpoints.save(make_model(CONFIGS["2x2x32"]), tmp_path / "source")
+    quantized = checkpoints.load(source, dtype=mode)
+    expected = r"int8-quantized .*dtype='int8' or 'int8-body'.*float32 or bfloat16"
+    with pytest.raises(ValueError, match=expected):
+        checkpoints.save(quantized, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_no_temporary_files_are_left(tmp_path):
