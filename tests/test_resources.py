@@ -82,13 +82,13 @@ print(status("VmHWM") - before)
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from Linux's /proc")
 def test_int8_loads_never_hold_the_fp32_weights(tmp_path):
-    # One small layer and a wide vocabulary: the tied head is 205 MB in fp32, 102 in bf16, 51 in int8. An int8
-    # load that read the fp32 model first and quantized it after would peak above the fp32 load.
+    # One small layer and a wide vocabulary: the tied head is 410 MB in fp32, 205 in bf16, 102 in int8. An
+    # int8 load that read the fp32 model first and quantized it after would peak above the fp32 load.
     import subprocess
     import sys
     from pathlib import Path
 
-    config = GPTConfig(n_layer=1, n_head=4, n_embd=512, vocab_size=100_000, n_positions=64)
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=512, vocab_size=200_000, n_positions=64)
     checkpoints.save(make_model(config), tmp_path)
     root = Path(__file__).resolve().parents[1]
     peak = {}
@@ -99,7 +99,7 @@ def test_int8_loads_never_hold_the_fp32_weights(tmp_path):
         assert done.returncode == 0, done.stderr
         peak[dtype] = int(done.stdout)
     print({k: f"{v / 2**20:.0f} MiB" for k, v in peak.items()})
-    # Expected: fp32 ~220 MiB (the weights and one 16 MiB piece), int8-body ~130 (the bf16 head, one fp32
-    # layer, one piece), int8 ~80 (the int8 head instead).
+    # Expected: fp32 ~430 MiB (the weights and one 16 MiB piece), int8-body ~230 (the bf16 head, one fp32
+    # layer, one piece), int8 ~130 (the int8 head instead). The heap's growth varies by ~50 MiB between runs.
     assert peak["int8-body"] < 0.75 * peak["float32"], peak
     assert peak["int8"] < 0.5 * peak["float32"], peak
