@@ -280,7 +280,7 @@ class _Int8Load:
 
     def __init__(self, model: GPT, device: torch.device, *, include_head: bool) -> None:
         self.model = model
-        self.include_head = include_head
+        self.quantized_head = self.HEAD if include_head else None  # the name quantized row piece by piece
         self.params = dict(model.named_parameters())  # the only references besides the model's own
         self.unread = {name: p.numel() for name, p in self.params.items()}  # elements not read yet
         if include_head:
@@ -290,7 +290,7 @@ class _Int8Load:
 
     def put(self, name: str, index: tuple[slice, ...], piece: torch.Tensor) -> None:
         """Place one piece from :func:`iter_tensors`; quantize its layer once the layer is complete."""
-        if name == self.HEAD and self.include_head:
+        if name == self.quantized_head:
             self.head[index], self.head_scale[index] = quantize_rows(piece.to(self.head.device))
         else:
             self.params[name][index].copy_(piece)
@@ -305,7 +305,7 @@ class _Int8Load:
         own = [f"{module_path}.{n}" for n, _ in getattr(parent, child).named_parameters()]
         if any(self.unread[n] for n in own):
             return
-        if name == self.HEAD and self.include_head:
+        if name == self.quantized_head:
             setattr(parent, child, Int8TiedEmbedding(self.head, self.head_scale))
         elif not quantize_child(parent, child, include_head=False):
             return
