@@ -41,7 +41,12 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which rows to time: batch1, batch8, prefill (HF bf16 batch 8 takes minutes a call on CPUs "
         "without native bf16)",
     )
-    p.add_argument("--worker", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="time our compiled decode step (first compile and cached start too)",
+    )
+    p.add_argument("--worker", choices=["ours", "compiled", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -67,20 +72,26 @@ def _peak_rss() -> int:
 def _worker(kind: str, directory: str, dtype_name: str) -> None:
     import torch
 
-    if kind == "ours":
+    compiled = kind == "compiled"
+    if kind in ("ours", "compiled"):
         import checkpoints
-        from generate import SamplingParams, generate_ids
+        from generate import Generator, SamplingParams
+        from generate.request import Request
 
         model = checkpoints.load(directory, dtype=dtype_name)  # int8-body: int8 blocks, bf16 output head
         greedy = SamplingParams(temperature=0)
+        gen = Generator(model, compile=compiled)  # keeps one engine per shape: each shape compiles once
 
-        def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
-            rows = generate_ids(model, prompts, max_new_tokens=new, sampling=greedy, eos_id=None)
+        def run_generate(prompts: list[list[int]], new: int, room: int) -> list[list[int]]:
+            engine = gen.engine(len(prompts), max(map(len, prompts)) + room)  # same shape for any new
+            rows = [engine.add(Request(p, greedy, new, eos_id=None)) for p in prompts]
+            for _ in engine.run():
+                pass
             return [r.token_ids for r in rows]
 
         def prefill(ids: list[int]) -> None:
             with torch.inference_mode():
-                model(torch.tensor([ids]), last_only=True)
+                model(torch.tensor([ids]), last_only=True)  # the reference forward: prefill is eager
 
         weights = sum(
             t.numel() * t.element_size()
@@ -94,7 +105,8 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
         model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype_name))
         model.eval()
 
-        def run_generate(prompts: list[list[int]], new: int) -> list[list[int]]:
+        def run_generate(prompts: list[list[int]], new: int, room: int) -> list[list[int]]:
+            del room
             longest = max(len(p) for p in prompts)
             ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
@@ -119,7 +131,7 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
         job = json.loads(line)
         t0 = time.perf_counter()
         if job["op"] == "generate":
-            tokens = run_generate(job["prompts"], job["new"])
+            tokens = run_generate(job["prompts"], job["new"], job.get("room", job["new"]))
         elif job["op"] == "prefill":
             prefill(job["ids"])
             tokens = None
@@ -162,9 +174,8 @@ class Worker:
 
 
 def cpu_description() -> str:
-    """The CPU's model name, vector extensions, and whether bf16 is native (as ``model.linear`` decides it:
-    without it, bf16 products are emulated and long ones run in fp32)."""
-    from model.linear import _bf16_emulated  # the check that picks our bf16 route, not a second one
+    """The CPU's model name, vector extensions, and whether oneDNN runs bf16 natively here."""
+    import torch
 
     try:
         with open("/proc/cpuinfo") as f:
@@ -174,7 +185,8 @@ def cpu_description() -> str:
     name = next((line.split(":", 1)[1].strip() for line in info if "model name" in line), None)
     flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
     vector = ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})) or "no AVX flags"
-    return f"cpu: {name or platform.processor() or 'unknown'}; {vector} (bf16 native: {not _bf16_emulated()})"
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"cpu: {name or platform.processor() or 'unknown'}; {vector} (bf16 native: {native})"
 
 
 def read_bandwidth() -> float:
@@ -196,7 +208,7 @@ def _timed(fn) -> float:
 def decode_rate(worker: Worker, prompts: list[list[int]], new: int) -> float:
     """Decode tokens/s with prefill excluded: (t(new) - t(1)) over (new - 1) steps, times the batch size."""
     full = worker.ask(op="generate", prompts=prompts, new=new)["seconds"]
-    first = worker.ask(op="generate", prompts=prompts, new=1)["seconds"]
+    first = worker.ask(op="generate", prompts=prompts, new=1, room=new)["seconds"]
     return len(prompts) * (new - 1) / max(full - first, 1e-9)
 
 
@@ -248,8 +260,19 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str,
     long_prompt = torch.randint(0, 50257, (128 if args.quick else 512,), generator=g).tolist()
     # int8 is weight-only: its activations and KV cache are bf16, so it is compared with HF in bf16.
     hf_dtype = "bfloat16" if dtype.startswith("int8") else dtype
-    ours, hf = Worker("ours", directory, dtype), Worker("hf", directory, hf_dtype)
+    kind = "compiled" if args.compile else "ours"
+    ours, hf = Worker(kind, directory, dtype), Worker("hf", directory, hf_dtype)
     try:
+        if args.compile:
+            first = ours.ask(op="generate", prompts=[prompt], new=2, room=new)["seconds"]
+            print(f"[{dtype}] compiled: first compile of the batch-1 step {first:.1f} s", flush=True)
+            ours.ask(op="generate", prompts=batch, new=2, room=new)  # the batch-8 shape, compiled now
+            ours_start = time.perf_counter()  # a new process: import, load, compile, first tokens
+            second = Worker(kind, directory, dtype)
+            second.ask(op="generate", prompts=[prompt], new=2, room=new)
+            print(f"[{dtype}] compiled: a second process generates {time.perf_counter() - ours_start:.1f} s "
+                  f"after it starts (inductor's on-disk cache warm)", flush=True)  # fmt: skip
+            second.close()
         same = (
             ours.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
             == hf.ask(op="generate", prompts=batch[:3], new=16)["tokens"]

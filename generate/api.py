@@ -11,9 +11,9 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine import Decoder, check_prompts, check_seed
+from generate.engine import Engine
+from generate.request import Request, check_prompts, check_seed
 from generate.sampling import SamplingParams
-from generate.text import TextTracker
 from model import GPT
 
 DEFAULT_CHECKPOINT = "shakespeare"
@@ -47,11 +47,17 @@ class Generator:
     Args:
         model: the model (put in eval mode here).
         tokenizer: the GPT-2 tiktoken encoding (default: the vendored one).
+        compile: run decode steps compiled (:mod:`generate.compiled`); the first call of each batch shape
+            compiles it.
     """
 
-    def __init__(self, model: GPT, tokenizer: tiktoken.Encoding | None = None) -> None:
+    def __init__(
+        self, model: GPT, tokenizer: tiktoken.Encoding | None = None, *, compile: bool = False
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
+        self.compile = compile
+        self._engines: dict[tuple[int, int], Engine] = {}
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt text to token ids. ``"<|endoftext|>"`` in the text is plain text, not the special token;
@@ -60,15 +66,30 @@ class Generator:
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
         return self.tokenizer.encode_ordinary(prompt) or [checkpoints.EOT_ID]
 
+    def engine(self, slots: int, max_len: int) -> Engine:
+        """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
+
+        Compiled steps have static shapes, so shapes are rounded up to powers of two (slots) and to a
+        power of two of at least 64 positions (capped at the window), and reused across calls.
+        """
+        window = self.model.config.n_positions
+        if self.compile:
+            slots = 1 << (slots - 1).bit_length()
+            max_len = max(64, 1 << (max_len - 1).bit_length())
+        key = (slots, min(max_len, window))
+        if key not in self._engines:
+            self._engines.clear()  # one engine (and one KV cache) kept at a time
+            self._engines[key] = Engine(self.model, slots=key[0], max_len=key[1], compile=self.compile,
+                                        token_bytes=self.tokenizer.decode_single_token_bytes,
+                                        vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
+        return self._engines[key]
+
     def _run(
-        self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None
+        self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None, slots: int = 1
     ) -> PyGenerator[tuple[int, str], None, list[Completion]]:
-        """Run encoded prompts as one batch: yield (row, settled text) as it comes; return completions."""
+        """Run encoded prompts in an engine of up to ``slots`` slots (a prompt joins as soon as one is free):
+        yield (row, settled text) as it comes; return the completions."""
         stop = options.pop("stop")
-        stop = [stop] if isinstance(stop, str) else list(stop or ())
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         max_new_tokens = options.pop("max_new_tokens")
         logprobs = options.pop("logprobs")
         sampling = SamplingParams(**options)
@@ -76,25 +97,28 @@ class Generator:
         if len(seeds) != len(ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
         # Only ids the tokenizer can spell are chosen (a checkpoint may pad its vocabulary, e.g. to 50304).
-        decoder = Decoder(self.model, ids, max_new_tokens=max_new_tokens, sampling=sampling, seeds=seeds,
-                          eos_id=checkpoints.EOT_ID, logprobs=logprobs,
-                          vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
-        texts = [TextTracker(self.tokenizer.decode_single_token_bytes, stop) for _ in ids]
-        while not decoder.done:
-            for row, token in enumerate(decoder.step()):
-                if token is None:
-                    continue
-                if token != checkpoints.EOT_ID and texts[row].add(token):
-                    decoder.finish(row, "stop")
-                if decoder.rows[row].finish_reason is not None:
-                    texts[row].close()
-                piece = texts[row].take(final=decoder.rows[row].finish_reason is not None)
-                if piece:
-                    yield row, piece
+        requests = [Request(p, sampling, max_new_tokens, seed=s, eos_id=checkpoints.EOT_ID, stop=stop,
+                            logprobs=logprobs) for p, s in zip(ids, seeds, strict=True)]  # fmt: skip
+        check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
+        longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
+        engine = self.engine(min(slots, len(ids)), longest)
+        rows = {id(r): i for i, r in enumerate(requests)}
+        for r in requests:
+            engine.add(r)
+        try:
+            while engine.has_work:
+                for request, _ in engine.step():
+                    piece = request.text.take(final=request.done)
+                    if piece:
+                        yield rows[id(request)], piece
+        finally:
+            for r in requests:  # an abandoned stream (or an error) leaves no request in the engine
+                if not r.done:
+                    engine.cancel(r)
         return [
-            Completion(text=t.text, token_ids=r.token_ids, finish_reason=r.finish_reason or "length",
-                       logprobs=r.logprobs, prompt_tokens=len(p))
-            for t, r, p in zip(texts, decoder.rows, ids, strict=True)
+            Completion(text=r.text.text, token_ids=r.token_ids, finish_reason=r.finish_reason or "length",
+                       logprobs=r.logprobs_list if logprobs else None, prompt_tokens=len(r.prompt))
+            for r in requests
         ]  # fmt: skip
 
     def generate(
@@ -116,8 +140,9 @@ class Generator:
     ) -> Completion | list[Completion]:
         """Continue one prompt (returns a :class:`Completion`) or several (returns a list, in order).
 
-        Several prompts run as left-padded batches of up to ``batch_size``; each row's output is what
-        that prompt gives alone. Sampling options are those of :class:`generate.SamplingParams`.
+        Several prompts run together in up to ``batch_size`` slots, a prompt taking a slot as soon as one
+        is free; each prompt's output is what it gives alone (see the README on batch invariance).
+        Sampling options are those of :class:`generate.SamplingParams`.
 
         Args:
             prompt: the text to continue, or a list of texts (an empty list gives an empty list).
@@ -154,11 +179,7 @@ class Generator:
             check_seed(s)
         # Every prompt is checked before the first batch runs, and an error names it by its index in `prompt`.
         check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
-        out: list[Completion] = []
-        for start in range(0, len(ids), batch_size):
-            chunk = slice(start, start + batch_size)
-            out.extend(self._drain(self._run(ids[chunk], dict(options), seeds[chunk])))
-        return out
+        return self._drain(self._run(ids, options, seeds, slots=batch_size))
 
     @staticmethod
     def _drain(run: PyGenerator[tuple[int, str], None, list[Completion]]) -> list[Completion]:
@@ -203,6 +224,7 @@ def load(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    compile: bool = False,
 ) -> Generator:
     """Load a checkpoint (see :func:`checkpoints.load`) and the tokenizer into a :class:`Generator`.
 
@@ -211,9 +233,10 @@ def load(
         device: where to run (default CPU).
         dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``"int8"`` (int8 weights, bf16 compute) or
             ``"int8-body"`` (the same with the output head in bf16).
+        compile: run decode steps compiled (see :class:`Generator`).
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
-    return Generator(checkpoints.load(source, device=device, dtype=dtype))
+    return Generator(checkpoints.load(source, device=device, dtype=dtype), compile=compile)

@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs", action="store_true", help="with --json, include each token's log-probability"
     )
     p.add_argument("--no-stream", action="store_true", help="print the completion only when it is complete")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step first (tens of seconds; pays off for long or many generations)",
+    )
     return p  # fmt: skip
 
 
@@ -184,7 +189,7 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--logprobs only shows in JSON output; add --json")
     # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
     from checkpoints import INT8_MODES, resolve_device, resolve_dtype
-    from generate.engine import check_seed
+    from generate.request import check_seed
     from generate.sampling import SamplingParams
 
     try:
@@ -209,7 +214,7 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def _check_prompts(gen: Generator, prompts: list[tuple[int | None, str]], prompts_file: str | None) -> None:
     """Check every prompt against the model before the first batch runs; name a bad one by its file line."""
-    from generate.engine import check_prompt
+    from generate.request import check_prompt
 
     config = gen.model.config
     for line, prompt in prompts:
@@ -261,7 +266,14 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
     prompts = _read_prompts(args, parser)
     from generate.api import load
 
-    gen = load(args.checkpoint, device=args.device, dtype=args.dtype)
+    if args.compile:  # compiling takes tens of seconds: say what is happening, on stderr
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("generate: %(message)s"))
+        logging.getLogger("gptgen").addHandler(handler)
+        logging.getLogger("gptgen").setLevel(logging.INFO)
+    gen = load(args.checkpoint, device=args.device, dtype=args.dtype, compile=args.compile)
     _check_prompts(gen, prompts, args.prompts_file)
     _run(gen, [prompt for _, prompt in prompts], args, out)
 

@@ -1,29 +1,27 @@
-"""The decode loop: prefill a left-padded batch once, then one token per step with a static KV cache."""
+"""The engine: slots that requests join and leave, one decode step at a time for all of them.
+
+Each step admits waiting requests into free slots (a prefill of the prompt alone, into that slot), then runs
+one decode step over every slot: each row feeds its last token at its own position. A finished request frees
+its slot at once. The decode step always has the same shapes (one row per slot, a fixed span of cache
+positions), so it can be compiled once, and a row's arithmetic does not depend on the other rows.
+"""
 
 from __future__ import annotations
 
-import numbers
-import operator
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from generate.sampling import SamplingParams, apply_penalties, choose
+from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
+from generate.runner import Runner
+from generate.sampling import SamplingParams, sample_row
 from model import GPT, GPTConfig, KVCache
 
 
 class GenerationError(RuntimeError):
     """The model produced something that cannot be sampled from (NaN or infinite logits)."""
-
-
-@dataclass
-class TokenCompletion:
-    """What one row generated: token ids (EOS included if it came), why it stopped, and log-probabilities."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" (budget or window)
-    logprobs: list[float] | None = None
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -43,260 +41,190 @@ def available_memory(device: torch.device) -> int | None:
 
 
 # Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
-# and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured here: a
-# 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes per entry.
+# and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
+# first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
 VOCAB_BYTES_PER_ROW = 48
 
 
-def request_bytes(config: GPTConfig, batch: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
-    """Memory a request needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
-    penalty counts) and the prefill's activations (attention scores included)."""
+def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
+    """Memory an engine needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
+    penalty counts) and one prefill's activations (attention scores included)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cache = KVCache.bytes_per_token(config, dtype) * batch * cache_len
-    per_row_vocab = batch * config.vocab_size * VOCAB_BYTES_PER_ROW
-    prefill = batch * prompt_len * (4 * config.inner_dim * itemsize + config.n_head * prompt_len * 4)
+    cache = KVCache.bytes_per_token(config, dtype) * slots * cache_len
+    per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
+    prefill = prompt_len * (4 * config.inner_dim * itemsize + config.n_head * prompt_len * 4)
     return cache + per_row_vocab + prefill
 
 
 def _check_memory(
-    config: GPTConfig, batch: int, cache_len: int, prompt_len: int, dtype: torch.dtype, device: torch.device
+    config: GPTConfig, slots: int, cache_len: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    needed, free = request_bytes(config, batch, cache_len, prompt_len, dtype), available_memory(device)
+    needed, free = request_bytes(config, slots, cache_len, cache_len, dtype), available_memory(device)
     if free is not None and needed > free:
         raise MemoryError(
-            f"this request needs about {needed / 2**20:,.0f} MiB ({batch} rows x {cache_len} positions of KV "
+            f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "
             f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "
-            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer prompts per batch "
+            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer slots (prompts run at once) "
             "or fewer new tokens"
         )
 
 
-def check_seed(seed: object) -> int | None:
-    """Return ``seed`` as an int (None stays None).
-
-    Raises:
-        ValueError: unless it is None or an integer (numpy integers too) in 0 .. 2**64 - 1.
-    """
-    if seed is None:
-        return None
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        value = -1
-    if isinstance(seed, bool) or not 0 <= value < 2**64:
-        raise ValueError(f"seed={seed!r} is out of range; a seed must be an integer in 0..2**64-1, or None")
-    return value
-
-
-def _generators(seeds: Sequence[int | None], device: torch.device) -> list[torch.Generator]:
-    gens = []
-    for seed in map(check_seed, seeds):
-        g = torch.Generator(device=device)
-        if seed is None:
-            g.seed()  # nondeterministic
-        else:
-            g.manual_seed(seed)
-        gens.append(g)
-    return gens
-
-
-class Decoder:
-    """One batch of prompts being generated, a step at a time.
-
-    Prompts of different lengths are left-padded; a per-row padding mask and position ids counted from each
-    row's first real token make every row compute what it would alone. Rows finish independently; a
-    finished row is no longer sampled and its output no longer changes.
+class Engine:
+    """Runs requests in a fixed set of slots; requests join and leave between steps.
 
     Args:
         model: the model (eval mode).
-        prompts: token id lists, each non-empty and at most ``n_positions - 1`` long.
-        max_new_tokens: the most tokens a row generates; a row also stops at the window's end.
-        sampling: how tokens are chosen.
-        seeds: one seed per row (None: nondeterministic); a row's draws depend only on its own seed.
-        eos_id: the token that ends a row (None: never ends early).
-        logprobs: record the log-probability of each chosen token under the model's distribution.
-        vocab_limit: choose only ids below this (a tokenizer smaller than a vocabulary padded to a round
-            size, e.g. 50257 of 50304); None: the whole vocabulary.
+        slots: how many requests run at once (rows of every decode step).
+        max_len: cache positions per slot (default the model's window); a request whose prompt plus output
+            reaches it finishes with ``"length"``.
+        token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
+        vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
+        compile: run the decode step compiled (see :class:`generate.runner.Runner`).
 
     Raises:
-        ValueError: for an empty prompt, a token id outside the vocabulary, a prompt that leaves no room in
-            the window, or a negative ``max_new_tokens``.
-        MemoryError: if the request's cache and working memory exceed what the device has free; checked
-            before anything is allocated.
+        ValueError: for a slot count or ``max_len`` out of range.
+        MemoryError: if the cache and working memory exceed what the device has free (checked first).
     """
 
     def __init__(
         self,
         model: GPT,
-        prompts: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        seeds: Sequence[int | None],
-        eos_id: int | None,
-        logprobs: bool = False,
+        slots: int = 8,
+        max_len: int | None = None,
+        token_bytes: Callable[[int], bytes] | None = None,
         vocab_limit: int | None = None,
+        compile: bool = False,
     ) -> None:
         cfg = model.config
-        _check_request(prompts, max_new_tokens, cfg.vocab_size, cfg.n_positions)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
-        self.model, self.sampling, self.eos_id = model, sampling, eos_id
-        self.max_new_tokens = int(max_new_tokens)
+        max_len = cfg.n_positions if max_len is None else max_len
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= cfg.n_positions:
+            raise ValueError(
+                f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
+            )
+        _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
+        self.model, self.token_bytes = model, token_bytes
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
-        dtype, device = model.compute_dtype, model.device
-        b, longest = len(prompts), max(len(p) for p in prompts)
-        self.lengths = [len(p) for p in prompts]  # each row's own sequence length, padding excluded
-        cache_len = min(cfg.n_positions, longest + max_new_tokens)
-        _check_memory(cfg, b, cache_len, longest, dtype, device)
-        self.cache = KVCache(cfg, b, cache_len, dtype=dtype, device=device)
-        self.mask = torch.zeros(b, self.cache.max_len, dtype=torch.bool, device=device)
-        self.padded = any(len(p) != longest for p in prompts)
-        ids = torch.zeros(b, longest, dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
-            self.mask[i, longest - len(p) : longest] = True
-        self.generators = _generators(seeds, device)
-        self.rows = [TokenCompletion(logprobs=[] if logprobs else None) for _ in prompts]
-        self.seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(b, cfg.vocab_size, dtype=torch.int32, device=device)
-        for i, p in enumerate(prompts):
-            self.seen[i, torch.tensor(p)] = True
-        self.seen, self.counts = self.seen[:, : self.vocab], self.counts[:, : self.vocab]
-        self._pending: torch.Tensor | None = None
-        if max_new_tokens == 0:
-            for row in self.rows:
-                row.finish_reason = "length"
-            return
-        with torch.inference_mode():
-            self._logits = self._forward(ids)  # prefill: the whole prompt in one call
+        self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
+        self.runner = Runner(model, self.cache, compile=compile)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
     @property
-    def done(self) -> bool:
-        """Whether every row has finished."""
-        return all(row.finish_reason is not None for row in self.rows)
+    def slots(self) -> int:
+        """How many requests run at once."""
+        return self.cache.slots
 
-    def finish(self, row: int, reason: str) -> None:
-        """Mark a row finished (e.g. a stop string appeared in its text); it takes no further steps.
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
 
-        ``"stop"`` also replaces ``"length"``: when the token that spent the budget completes a stop
-        string, the text is cut by the stop string, so that is why it ended.
-        """
-        current = self.rows[row].finish_reason
-        if current is None or (current == "length" and reason == "stop"):
-            self.rows[row].finish_reason = reason
+    def add(self, request: Request) -> Request:
+        """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
+        check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
+        request.start(self.model.device, self.token_bytes)  # refuses stop strings without a tokenizer
+        if request.max_new_tokens == 0:
+            request.finish("length")
+        else:
+            self.waiting.append(request)
+        return request
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        end = self.cache.length + ids.shape[1]
-        # Without padding the mask is all ones: leaving it out lets attention skip building masks.
-        mask = self.mask[:, :end] if self.padded else None
-        logits = self.model(ids, cache=self.cache, attention_mask=mask, last_only=True)
-        return logits[:, -1, : self.vocab].float()  # (B, V): only the last position went through the head
-
-    def _make_room(self) -> None:
-        # The cache spans the window but shorter rows still have room: drop the leading positions that are
-        # padding in every unfinished row (they carry nothing), shifting the cache and mask left.
-        length = self.cache.length
-        pads = [length - self.lengths[i] + 1 for i, r in enumerate(self.rows) if r.finish_reason is None]
-        drop = min(pads)  # >= 1: an unfinished row holds fewer than n_positions tokens
-        self.cache.drop_front(drop)
-        self.mask[:, : length - drop] = self.mask[:, drop:length].clone()
-        self.mask[:, length - drop :] = False
-
-    def _feed(self, tokens: torch.Tensor) -> None:
-        if self.cache.length == self.cache.max_len:
-            self._make_room()
-        self.mask[:, self.cache.length] = True
-        self._logits = self._forward(tokens[:, None])
+    def cancel(self, request: Request) -> None:
+        """Stop a request wherever it is (waiting or running) and free its slot."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for slot, r in list(self.running.items()):
+            if r is request:
+                self._free(slot)
+        request.finish("cancelled")
 
     @torch.inference_mode()
-    def step(self) -> list[int | None]:
-        """Choose the next token of every unfinished row and return them (None for finished rows).
+    def step(self) -> list[tuple[Request, int]]:
+        """Admit waiting requests into free slots, then advance every running request by one token.
+
+        Returns:
+            (request, token) for every token chosen in this step, in slot order (a newly admitted request
+            may get two: the one its prefill chose and the one the decode step chose).
 
         Raises:
-            GenerationError: if an unfinished row's logits hold NaN or infinity.
+            GenerationError: if a request's logits hold NaN or infinity.
         """
-        if self._pending is not None:
-            self._feed(self._pending)
-            self._pending = None
-        active = [i for i, row in enumerate(self.rows) if row.finish_reason is None]
-        if not active:
-            return [None] * len(self.rows)
-        logits = self._logits if len(active) == len(self.rows) else self._logits[active]
-        if not torch.isfinite(logits).all():
-            raise GenerationError(
-                "the model produced NaN or infinite logits; the checkpoint may be corrupt, or float16 "
-                "overflowed (try dtype='float32' or 'bfloat16')"
-            )
-        if self.sampling.penalized:
-            logits_for_choice = apply_penalties(logits, self.seen[active], self.counts[active], self.sampling)
-        else:
-            logits_for_choice = logits
-        chosen = choose(logits_for_choice, self.sampling, [self.generators[i] for i in active])
-        if self.rows[0].logprobs is not None:
-            picked = torch.log_softmax(logits, dim=-1).gather(-1, chosen[:, None])[:, 0].tolist()
-        out: list[int | None] = [None] * len(self.rows)
-        for j, (i, token) in enumerate(zip(active, chosen.tolist(), strict=True)):
-            self._record(i, token, picked[j] if self.rows[i].logprobs is not None else None)
-            out[i] = token
-        if not self.done:
-            pending = torch.zeros(len(self.rows), dtype=torch.long, device=self._logits.device)
-            pending[active] = chosen
-            self._pending = pending
-        return out
+        events: list[tuple[Request, int]] = []
+        free = [s for s in range(self.slots) if s not in self.running]
+        while free and self.waiting:
+            slot, request = free.pop(0), self.waiting.popleft()
+            self.cache.clear(slot)
+            self.running[slot] = request
+            logits = self.runner.prefill(request.prompt, slot)
+            self.cache.lengths[slot] = len(request.prompt)
+            self._start_state(slot, request)
+            events += self._choose({slot: logits})
+        if self.running:
+            positions = torch.tensor(self.cache.lengths)
+            logits = self.runner.decode(self._pending, positions)
+            for slot in self.running:
+                self.cache.lengths[slot] += 1
+            events += self._choose({slot: logits[slot] for slot in self.running})
+        return events
 
-    def _record(self, i: int, token: int, logprob: float | None) -> None:
-        row = self.rows[i]
-        row.token_ids.append(token)
-        if logprob is not None:
-            row.logprobs.append(logprob)
-        if self.sampling.penalized:
-            self.seen[i, token] = True
-            self.counts[i, token] += 1
-        self.lengths[i] += 1
-        if token == self.eos_id:
-            row.finish_reason = "stop"
-        elif len(row.token_ids) >= self.max_new_tokens or self.lengths[i] >= self.model.config.n_positions:
-            row.finish_reason = "length"
+    def run(self) -> Iterator[list[tuple[Request, int]]]:
+        """Step until no request is waiting or running, yielding each step's events."""
+        while self.has_work:
+            yield self.step()
 
+    def _start_state(self, slot: int, request: Request) -> None:
+        generator = request.start(self.model.device, self.token_bytes)
+        seen = counts = None
+        if request.sampling.penalized:
+            seen = torch.zeros(self.vocab, dtype=torch.bool)
+            seen[torch.tensor(request.prompt)[torch.tensor(request.prompt) < self.vocab]] = True
+            counts = torch.zeros(self.vocab, dtype=torch.int32)
+        self._state[slot] = (generator, seen, counts)
 
-def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
-    """Check one token id prompt against the model's vocabulary and window.
+    def _choose(self, logits_by_slot: dict[int, torch.Tensor]) -> list[tuple[Request, int]]:
+        events = []
+        for slot, logits in logits_by_slot.items():
+            request = self.running[slot]
+            row = logits[: self.vocab].float()
+            if not torch.isfinite(row).all():
+                self._free(slot)
+                raise GenerationError(
+                    "the model produced NaN or infinite logits; the checkpoint may be corrupt, or float16 "
+                    "overflowed (try dtype='float32' or 'bfloat16')"
+                )
+            generator, seen, counts = self._state[slot]
+            token, logprob, top = sample_row(row, request.sampling, generator, seen, counts,
+                                             logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip
+            if request.logprobs:
+                request.logprobs_list.append(logprob)
+            if top is not None:
+                request.top_list.append(top)
+            request.record(token, self.cache.max_len)
+            events.append((request, token))
+            self._pending[slot] = token
+            if request.done:
+                self._free(slot)
+        return events
 
-    Raises:
-        ValueError: for an empty prompt, an id outside ``0..vocab-1``, or one that leaves no room to generate.
-    """
-    if len(prompt) == 0:
-        raise ValueError("the prompt has no tokens; start it with <|endoftext|> (id 50256) for none")
-    if len(prompt) >= window:
-        raise ValueError(
-            f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
-            f"room for at most {window - 1} prompt tokens; shorten the prompt"
-        )
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, window: int) -> None:
-    """:func:`check_prompt` for each prompt; the message says which (``prompt i``, counted from 0)."""
-    if not prompts:
-        raise ValueError("no prompts given; pass at least one")
-    for i, p in enumerate(prompts):
-        try:
-            check_prompt(p, vocab, window)
-        except ValueError as e:
-            raise ValueError(f"prompt {i}: {e}") from None
+    def _free(self, slot: int) -> None:
+        del self.running[slot]
+        del self._state[slot]
+        self._pending[slot] = 0
+        self.cache.lengths[slot] = 0
 
 
-def _check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab: int, window: int) -> None:
-    if (
-        not isinstance(max_new_tokens, numbers.Integral)
-        or isinstance(max_new_tokens, bool)
-        or max_new_tokens < 0
-    ):
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    check_prompts(prompts, vocab, window)
+@dataclass
+class TokenCompletion:
+    """What one prompt generated: token ids (EOS included if it came), why it stopped, log-probabilities."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS) or "length" (budget or window)
+    logprobs: list[float] | None = None
 
 
 def generate_ids(
@@ -308,18 +236,22 @@ def generate_ids(
     seed: int | Sequence[int | None] | None = None,
     eos_id: int | None = 50256,
     logprobs: bool = False,
+    slots: int | None = None,
+    compile: bool = False,
 ) -> list[TokenCompletion]:
     """Generate from token id prompts; the token-level API.
 
     Args:
         model: the model (eval mode).
-        prompts: non-empty token id lists of any lengths (run as one left-padded batch).
-        max_new_tokens: the most tokens per row.
+        prompts: non-empty token id lists of any lengths.
+        max_new_tokens: the most tokens per prompt.
         sampling: how tokens are chosen (default: ``SamplingParams()``, temperature 1).
-        seed: one seed for every row (each row draws from its own generator seeded with it, so a row's
-            output does not depend on the rest of the batch), a sequence of per-row seeds, or None.
-        eos_id: the end-of-text id that stops a row (None: never).
+        seed: one seed for every prompt (each draws from its own generator seeded with it, so its output does
+            not depend on the others), a sequence of per-prompt seeds, or None.
+        eos_id: the end-of-text id that ends a prompt's output (None: never).
         logprobs: also return each chosen token's log-probability.
+        slots: how many prompts run at once (default all of them).
+        compile: run the decode step compiled.
 
     Returns:
         One :class:`TokenCompletion` per prompt, in order.
@@ -328,9 +260,19 @@ def generate_ids(
         >>> generate_ids(model, [[464, 3290]], max_new_tokens=5, sampling=SamplingParams(temperature=0))
         ... # doctest: +SKIP
     """
+    check_max_new_tokens(max_new_tokens)
+    check_prompts(prompts, model.config.vocab_size, model.config.n_positions)
     seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-    decoder = Decoder(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
-                      seeds=seeds, eos_id=eos_id, logprobs=logprobs)  # fmt: skip
-    while not decoder.done:
-        decoder.step()
-    return decoder.rows
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
+    requests = [Request(p, sampling or SamplingParams(), max_new_tokens, seed=s, eos_id=eos_id,
+                        logprobs=logprobs) for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
+    max_len = min(model.config.n_positions, max(len(p) for p in prompts) + max(1, int(max_new_tokens)))
+    engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
+    for r in requests:
+        engine.add(r)
+    for _ in engine.run():
+        pass
+    return [
+        TokenCompletion(r.token_ids, r.finish_reason, r.logprobs_list if logprobs else None) for r in requests
+    ]

@@ -148,3 +148,44 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
         return logits.argmax(dim=-1)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+
+
+def sample_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    *,
+    logprobs: bool = False,
+    top: int = 0,
+) -> tuple[int, float | None, dict[int, float] | None]:
+    """Choose one row's next token with that row's own settings, and update its penalty state.
+
+    Args:
+        logits: (V,) float logits of one row.
+        params: the row's sampling parameters.
+        generator: the row's own generator (unused when greedy).
+        seen, counts: (V,) the row's penalty state (tokens in prompt or output; output counts), updated in
+            place with the chosen token; None when no penalty is active.
+        logprobs: also return the chosen token's log-probability under the model's own distribution.
+        top: also return the ``top`` most likely tokens' log-probabilities (id -> log-probability).
+
+    Returns:
+        (token, log-probability or None, alternatives or None).
+    """
+    row = logits[None]  # (1, V): the batch functions above, on one row
+    if params.penalized and seen is not None and counts is not None:
+        row = apply_penalties(row, seen[None], counts[None], params)
+    token = int(choose(row, params, [generator])[0])
+    if seen is not None and counts is not None:
+        seen[token] = True
+        counts[token] += 1
+    logprob = alternatives = None
+    if logprobs or top:
+        log_probs = torch.log_softmax(logits, dim=-1)
+        logprob = float(log_probs[token])
+        if top:
+            values, ids = log_probs.topk(min(top, log_probs.shape[-1]))
+            alternatives = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    return token, logprob, alternatives

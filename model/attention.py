@@ -1,4 +1,4 @@
-"""CausalAttention: multi-head causal self-attention with a sliced mask buffer and an optional KV cache."""
+"""CausalAttention: multi-head causal self-attention, full-sequence or over a KV cache at row positions."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.linear import Linear
-
 
 class CausalAttention(nn.Module):
     """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output).
 
-    The causal mask is built once, as ``torch.triu(ones, diagonal=1)`` (True = may not attend), and kept as
-    a non-persistent buffer. Each call slices it to the current query rows ``offset..offset+T`` and key
-    columns ``0..offset+T`` and applies it with ``-inf`` before the softmax.
+    Two ways to call it:
+
+    - The reference: the whole sequence at once, no cache. The causal mask is built once, as
+      ``torch.triu(ones, diagonal=1)`` (True = may not attend), kept as a non-persistent buffer, sliced to
+      the sequence and applied with ``-inf`` before the softmax.
+    - Over a KV cache, with explicit positions: every row has its own positions. The new keys and values are
+      written into the row's cache at those positions (an index write), and a query at position ``p`` attends
+      to the cached keys at positions ``<= p`` (a mask made from positions). Rows never share an offset.
 
     Args:
         d_in: width of the input.
@@ -52,8 +55,8 @@ class CausalAttention(nn.Module):
         self.head_dim = d_out // num_heads
         self.context_length = context_length
         self.dropout = dropout
-        self.c_attn = Linear(d_in, 3 * d_out, bias=qkv_bias)  # query, key, value stacked in that order
-        self.c_proj = Linear(d_out, d_out)
+        self.c_attn = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # query, key, value stacked in that order
+        self.c_proj = nn.Linear(d_out, d_out)
         self.register_buffer(
             "mask", self._causal_mask(context_length, self.c_attn.weight.device), persistent=False
         )
@@ -75,67 +78,23 @@ class CausalAttention(nn.Module):
         # (B, T, C) -> (B, nh, T, hs)
         return tuple(z.view(b, t, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
 
-    def _blocked(self, t: int, offset: int, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """Boolean mask, True where a query may not attend: (T, S) or (B, 1, T, S) with padding."""
-        s = offset + t
-        if s > self.context_length:
+    def _blocked(self, t: int) -> torch.Tensor:
+        """The reference mask for ``t`` positions from 0: (T, T), True where a query may not attend."""
+        if t > self.context_length:
             raise ValueError(
-                f"sequence of {s} positions exceeds this attention's context_length "
+                f"sequence of {t} positions exceeds this attention's context_length "
                 f"({self.context_length}); shorten the input"
             )
-        blocked = self.mask[offset:s, :s]  # query rows offset..s, key columns 0..s
-        if key_padding_mask is None:
-            return blocked
-        if key_padding_mask.shape[-1] != s:
-            raise ValueError(
-                f"key_padding_mask covers {key_padding_mask.shape[-1]} positions but the keys span {s} "
-                f"(offset {offset} + {t} new); pass one entry per cached and new token"
-            )
-        padded = ~key_padding_mask.bool()[:, None, None, :]  # (B, 1, 1, S)
-        # A padding query would see only padding keys: a row of -inf gives NaN. Let every query see itself,
-        # which leaves real rows unchanged (their own key is real) and keeps padding rows finite.
-        own = (
-            torch.arange(s, device=blocked.device) == torch.arange(offset, s, device=blocked.device)[:, None]
-        )
-        return (blocked | padded) & ~own
+        return self.mask[:t, :t]
 
-    def _attend_keys(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        offset: int,
-        kv: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kv is None:
-            if offset != 0:
-                raise ValueError(f"offset={offset} needs a KV cache holding the first {offset} positions")
-            return k, v
-        k_buf, v_buf = kv  # (B, nh, max_len, hs), written in place: no growth, no concatenation
-        end = offset + k.shape[2]
-        if end > k_buf.shape[2]:
-            raise ValueError(
-                f"KV cache holds {k_buf.shape[2]} positions but {end} are needed; allocate a larger cache"
-            )
-        k_buf[:, :, offset:end] = k
-        v_buf[:, :, offset:end] = v
-        return k_buf[:, :, :end], v_buf[:, :, :end]
+    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference's softmax attention weights, computed explicitly: (B, num_heads, T, T).
 
-    def attention_weights(
-        self,
-        x: torch.Tensor,
-        *,
-        offset: int = 0,
-        key_padding_mask: torch.Tensor | None = None,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """The softmax attention weights, computed explicitly: (B, num_heads, T, offset + T).
-
-        Same arguments as :meth:`forward`. Dropout is applied in training mode, as in ``forward``.
+        Dropout is applied in training mode, as in ``forward``.
         """
-        q, k, v = self._qkv(x)
-        k, _ = self._attend_keys(k, v, offset, kv)
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, nh, T, S)
-        scores = scores.masked_fill(self._blocked(x.shape[1], offset, key_padding_mask), float("-inf"))
+        q, k, _ = self._qkv(x)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, nh, T, T)
+        scores = scores.masked_fill(self._blocked(x.shape[1]), float("-inf"))
         weights = torch.softmax(scores, dim=-1)
         return F.dropout(weights, self.dropout, training=self.training)
 
@@ -143,30 +102,42 @@ class CausalAttention(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        offset: int = 0,
-        key_padding_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        span: int | None = None,
     ) -> torch.Tensor:
-        """Attend each of the ``T`` new positions to itself and everything before it.
+        """Attend each new position to itself and every earlier one.
 
         Args:
-            x: input of shape (B, T, d_in); its positions are ``offset .. offset + T``.
-            offset: how many positions precede ``x`` (already written to ``kv``).
-            key_padding_mask: (B, offset + T), true/1 for real tokens and false/0 for padding, which no
-                query attends to. Padding queries attend only to themselves, so their output stays finite.
-            kv: preallocated key and value buffers, each (B, num_heads, max_len, head_dim); the new keys and
-                values are written at ``offset .. offset + T`` and attention reads ``0 .. offset + T``.
+            x: input of shape (B, T, d_in).
+            positions: (B, T) position of every new token in its row; needed with ``kv``. Without ``kv``
+                the positions are ``0 .. T-1`` (the reference forward).
+            kv: the rows' key and value caches, each (B, num_heads, max_len, head_dim). The new keys and
+                values are written at ``positions``; attention reads cache positions ``0 .. span-1``, and
+                a query at position ``p`` sees the keys at positions ``<= p``.
+            span: how many cache positions attention reads (default ``max_len``); it must exceed every
+                position. A fixed span gives the step static shapes; what lies past a row's own positions
+                is masked and must be finite (a weight of 0 times NaN is NaN).
 
         Returns:
             Tensor of shape (B, T, d_out).
         """
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
-        k, v = self._attend_keys(k, v, offset, kv)
-        blocked = self._blocked(t, offset, key_padding_mask)
-        # One new token without padding sees every cached key: its mask row is all False, so skip it.
-        allowed = None if (t == 1 and key_padding_mask is None) else ~blocked
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=self.dropout if self.training else 0.0
-        )  # (B, nh, T, hs), scaled by 1/sqrt(hs)
+        if kv is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=~self._blocked(t), dropout_p=self.dropout if self.training else 0.0
+            )  # (B, nh, T, hs), scaled by 1/sqrt(hs)
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
+        if positions is None:
+            raise ValueError("attention over a KV cache needs the positions of the new tokens")
+        k_buf, v_buf = kv
+        rows = torch.arange(b, device=x.device)[:, None]  # (B, 1): each row writes only its own cache
+        # k_buf[rows, :, positions] is (B, T, nh, hs): the advanced indices come first.
+        k_buf[rows, :, positions] = k.transpose(1, 2)
+        v_buf[rows, :, positions] = v.transpose(1, 2)
+        span = k_buf.shape[2] if span is None else span
+        keys = torch.arange(span, device=x.device)
+        allowed = keys <= positions[:, None, :, None]  # (B, 1, T, span): key position <= query position
+        y = F.scaled_dot_product_attention(q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=allowed)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))

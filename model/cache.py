@@ -1,4 +1,4 @@
-"""KVCache: preallocated key/value buffers for incremental decoding, written in place."""
+"""KVCache: preallocated key/value rows (slots), each written at its own positions."""
 
 from __future__ import annotations
 
@@ -8,69 +8,67 @@ from model.config import GPTConfig
 
 
 class KVCache:
-    """Static key/value buffers of shape (n_layer, B, n_head, max_len, head_dim), plus a fill level.
+    """Static key/value buffers, one pair per layer of shape (slots, n_head, max_len, head_dim), and each
+    slot's length.
 
-    Allocated once per request batch; ``GPT.forward(..., cache=cache)`` writes the new positions at
-    ``length .. length + T`` and advances ``length``. Nothing grows or is concatenated.
+    A slot is one sequence's row. ``GPT.forward(..., cache=cache, positions=...)`` writes the new keys and
+    values of each row at that row's own positions (an index write) and attention masks by position, so
+    slots hold sequences of different lengths side by side: no padding, no shared offset, no shifting.
+    ``lengths[s]`` is how many positions slot ``s`` holds; whoever feeds the model (the engine) keeps it.
+    Each layer's buffers are separate tensors, so a compiled step takes them as separate inputs and writes
+    each in place.
 
     Args:
         config: the model's configuration.
-        batch_size: rows in the batch.
-        max_len: positions to hold, at most ``config.n_positions``.
-        dtype: element type, normally the model's.
+        slots: rows in the cache.
+        max_len: positions each slot holds, at most ``config.n_positions``.
+        dtype: element type, normally the model's compute dtype.
         device: where the buffers live.
 
     Raises:
-        ValueError: if ``batch_size`` or ``max_len`` is not positive or ``max_len`` exceeds the window.
+        ValueError: if ``slots`` or ``max_len`` is not positive or ``max_len`` exceeds the window.
     """
 
     def __init__(
         self,
         config: GPTConfig,
-        batch_size: int,
+        slots: int,
         max_len: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if slots <= 0:
+            raise ValueError(f"slots must be positive, got {slots}")
         if not 0 < max_len <= config.n_positions:
             raise ValueError(
                 f"max_len must be in 1..{config.n_positions} (the model's n_positions), got {max_len}"
             )
-        shape = (config.n_layer, batch_size, config.n_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.batch_size = batch_size
+        shape = (slots, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        self.slots = slots
         self.max_len = max_len
-        self.length = 0
+        self.lengths = [0] * slots
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key and value buffers of one layer, each (B, n_head, max_len, head_dim)."""
-        return self.k[index], self.v[index]
+    def layer(self, index: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's key and value buffers, each (slots, n_head, max_len, head_dim), or with ``slot``
+        that slot's alone, (1, n_head, max_len, head_dim) (views: writes land in the cache)."""
+        if slot is None:
+            return self.k[index], self.v[index]
+        return self.k[index][slot : slot + 1], self.v[index][slot : slot + 1]
 
-    def drop_front(self, n: int) -> None:
-        """Discard the first ``n`` cached positions, moving the rest to the front (frees room at the end).
-
-        Used when every row still generating has at least ``n`` leading padding positions, which carry no
-        information: dropping them lets shorter rows of a left-padded batch use the whole window.
-        """
-        if not 0 <= n <= self.length:
-            raise ValueError(f"can drop 0..{self.length} cached positions, not {n}")
-        keep = self.length - n
-        self.k[:, :, :, :keep] = self.k[:, :, :, n : self.length].clone()  # ranges overlap: copy first
-        self.v[:, :, :, :keep] = self.v[:, :, :, n : self.length].clone()
-        self.length = keep
-
-    def reset(self) -> None:
-        """Forget the cached positions (the buffers are reused, not cleared)."""
-        self.length = 0
+    def clear(self, slot: int) -> None:
+        """Empty a slot for a new sequence: length 0 and every position zeroed, so nothing of the previous
+        sequence (not even a non-finite value, which masking cannot hide) reaches the next."""
+        for buffer in (*self.k, *self.v):
+            buffer[slot].zero_()
+        self.lengths[slot] = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
-        return self.k.nbytes + self.v.nbytes
+        return sum(b.nbytes for b in (*self.k, *self.v))
 
     @staticmethod
     def bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:

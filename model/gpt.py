@@ -11,7 +11,7 @@ from torch import nn
 from model.attention import CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
-from model.linear import Linear, TiedEmbedding
+from model.embedding import TiedEmbedding
 
 
 def _activation(name: str) -> nn.Module:
@@ -29,9 +29,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = Linear(config.n_embd, config.inner_dim)
+        self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
         self.act = _activation(config.activation_function)
-        self.c_proj = Linear(config.inner_dim, config.n_embd)
+        self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -59,11 +59,11 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         *,
-        offset: int,
-        key_padding_mask: torch.Tensor | None,
-        kv: tuple[torch.Tensor, torch.Tensor] | None,
+        positions: torch.Tensor | None = None,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        span: int | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), offset=offset, key_padding_mask=key_padding_mask, kv=kv)
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -138,60 +138,90 @@ class GPT(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
+        positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        attention_mask: torch.Tensor | None = None,
+        slot: int | None = None,
+        span: int | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
         Args:
             input_ids: token ids, (B, T).
-            cache: a :class:`KVCache` holding ``cache.length`` earlier positions; the new positions are
-                appended and ``cache.length`` advances by ``T``. Without one, this is the plain
-                full-sequence causal forward.
-            attention_mask: (B, cache.length + T), 1 for real tokens and 0 for (left) padding, covering the
-                cached positions and the new ones. Positions then count from each row's first real token.
+            positions: (B, T) the position of every token in its row, needed with ``cache``. Without a
+                cache this is the plain full-sequence causal forward (positions ``0 .. T-1``), the reference
+                every cached path is tested against.
+            cache: a :class:`KVCache`; each row's keys and values are written into its slot at its
+                positions, and each token attends to its row's cached positions up to its own.
+            slot: with a cache, the one slot the single row (B = 1) belongs to; None: row ``i`` is slot
+                ``i`` and B equals the cache's slot count.
+            span: how many cache positions attention reads (default: the whole slot, ``cache.max_len``);
+                a fixed span keeps a decode step's shapes static. Every position must be below it.
             last_only: compute logits for the last position only (what generation needs).
 
         Returns:
             Logits of shape (B, T, vocab_size), or (B, 1, vocab_size) with ``last_only``.
 
         Raises:
-            ValueError: if the positions exceed ``n_positions`` or the cache, or shapes disagree.
+            ValueError: if the positions exceed ``n_positions``, the cache or the span, or shapes disagree.
         """
-        b, t = input_ids.shape
-        offset = 0 if cache is None else cache.length
-        end = offset + t
+        t = input_ids.shape[1]
         if t == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
-        if end > self.config.n_positions:
-            raise ValueError(
-                f"{end} positions exceed the model's context window n_positions={self.config.n_positions}; "
-                f"shorten the input to at most {self.config.n_positions - offset} tokens"
-            )
-        if cache is not None and cache.batch_size != b:
-            raise ValueError(f"cache was allocated for batch size {cache.batch_size}, input has {b} rows")
-        if attention_mask is None:
-            key_padding_mask = None
-            positions = torch.arange(offset, end, device=input_ids.device)[None, :]  # (1, T)
-        else:
-            if tuple(attention_mask.shape) != (b, end):
+        if cache is None:
+            if positions is not None or slot is not None or span is not None:
+                raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
+            if t > self.config.n_positions:
                 raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(b, end)}: one "
-                    f"entry per cached ({offset}) and new ({t}) position of each row"
+                    f"{t} positions exceed the model's context window n_positions={self.config.n_positions}; "
+                    f"shorten the input to at most {self.config.n_positions} tokens"
                 )
-            key_padding_mask = attention_mask.bool()
-            # Position ids count from each row's first real token, so left padding does not shift them.
-            positions = (key_padding_mask.long().cumsum(-1) - 1).clamp(min=0)[:, offset:]  # (B, T)
+            positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
+            kvs = [None] * len(self.h)
+        else:
+            span = self._check_cached(input_ids, positions, cache, slot, span)
+            kvs = [cache.layer(i, slot) for i in range(len(self.h))]
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-        for i, block in enumerate(self.h):
-            kv = None if cache is None else cache.layer(i)
-            x = block(x, offset=offset, key_padding_mask=key_padding_mask, kv=kv)
-        if cache is not None:
-            cache.length = end
+        for block, kv in zip(self.h, kvs, strict=True):
+            x = block(x, positions=positions if kv is not None else None, kv=kv, span=span)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+
+    def _check_cached(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        cache: KVCache,
+        slot: int | None,
+        span: int | None,
+    ) -> int:
+        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span."""
+        b, t = input_ids.shape
+        if positions is None or tuple(positions.shape) != (b, t):
+            shape = None if positions is None else tuple(positions.shape)
+            raise ValueError(
+                f"a cached forward needs positions of shape {(b, t)}, one per token; got {shape}"
+            )
+        if slot is None and b != cache.slots:
+            raise ValueError(
+                f"the cache has {cache.slots} slots but the input has {b} rows; pass one row per slot, "
+                "or one row with slot="
+            )
+        if slot is not None and (b != 1 or not 0 <= slot < cache.slots):
+            raise ValueError(f"slot={slot} needs one row and a slot in 0..{cache.slots - 1}; got {b} rows")
+        span = cache.max_len if span is None else span
+        if not 0 < span <= cache.max_len:
+            raise ValueError(f"span={span} must be in 1..{cache.max_len} (the cache's max_len)")
+        if not torch.compiler.is_compiling():
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= span:
+                raise ValueError(
+                    f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
+                    f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
+                    "larger cache or shorten the input"
+                )
+        return span
 
     @property
     def compute_dtype(self) -> torch.dtype:

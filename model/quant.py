@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.linear import TiedEmbedding
+from model.embedding import TiedEmbedding
 
 COMPUTE_DTYPE = torch.bfloat16
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.linear
 from model import GPT, GPTConfig
 
 # Small but varied shapes: odd head counts, short windows, a non-default MLP width and activation.
@@ -45,20 +44,23 @@ def tiny_config(request: pytest.FixtureRequest) -> GPTConfig:
     return TINY_CONFIGS[request.param]
 
 
-@pytest.fixture(params=["row blocks", "one product"])
-def fp32_products(request, monkeypatch):
-    """Both CPU routes of few-row fp32 products, whatever this machine's thread count: weights split in
-    two row blocks (as on two threads), or one product per weight (oneDNN or MKL, as on one thread)."""
-    blocks = 2 if request.param == "row blocks" else 0
-    monkeypatch.setattr(
-        model.linear, "_row_blocks", lambda w: blocks if w.shape[0] % 2 == 0 and w.is_contiguous() else 0
-    )
-    calls = []
-    real = model.linear._blocked_linear
-    monkeypatch.setattr(model.linear, "_blocked_linear", lambda *args: calls.append(1) or real(*args))
-    yield request.param
-    assert bool(calls) == bool(blocks), f"{request.param}: {len(calls)} row-block products"
-
-
 # The models here are tiny: one thread is faster than two, and it leaves the other core to a parallel job.
 torch.set_num_threads(1)
+
+
+def cached_logits(
+    model: GPT, ids: torch.Tensor, chunks: list[int], max_len: int | None = None
+) -> torch.Tensor:
+    """Logits for every position of ``ids`` (B, T) computed through a KV cache, ``chunks`` positions at a
+    time, every row in its own slot at explicit positions."""
+    from model import KVCache
+
+    b, t = ids.shape
+    cache = KVCache(model.config, b, max_len or t, dtype=model.compute_dtype)
+    out, start = [], 0
+    for size in chunks:
+        positions = torch.arange(start, start + size).expand(b, -1)
+        out.append(model(ids[:, start : start + size], positions=positions, cache=cache))
+        start += size
+    assert start == t
+    return torch.cat(out, dim=1)

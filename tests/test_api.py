@@ -309,7 +309,7 @@ def test_a_whitespace_only_prompt_is_a_prompt(gen):
 
 def test_a_list_error_names_the_prompt_by_its_index_before_any_batch_runs(gen, monkeypatch):
     ran = []
-    monkeypatch.setattr(generate.api, "Decoder", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(generate.api, "Engine", lambda *a, **k: ran.append(1))
     prompts = ["short"] * 20 + ["word " * WINDOW]
     with pytest.raises(
         ValueError, match=r"^prompt 20: the prompt has \d+ tokens but the model's window is 128"

@@ -1,4 +1,4 @@
-"""CausalAttention: the seeds' worked example, mask slicing, KV offsets and padding."""
+"""CausalAttention: the seeds' worked example, mask slicing, and KV buffers at per-row positions."""
 
 import pytest
 import torch
@@ -71,31 +71,32 @@ def test_forward_equals_explicit_softmax_path():
     assert torch.allclose(attn(x), by_hand, atol=1e-6)
 
 
-def test_offset_with_kv_buffers_equals_full_sequence():
+def test_kv_buffers_at_explicit_positions_equal_full_sequence():
     torch.manual_seed(2)
     attn = CausalAttention(8, 8, 16, num_heads=2).eval()
     x = torch.randn(2, 9, 8)
     k_buf, v_buf = torch.zeros(2, 2, 16, 4), torch.zeros(2, 2, 16, 4)
     parts, start = [], 0
     for size in (4, 1, 3, 1):  # uneven chunks
-        parts.append(attn(x[:, start : start + size], offset=start, kv=(k_buf, v_buf)))
+        positions = torch.arange(start, start + size).expand(2, -1)
+        parts.append(attn(x[:, start : start + size], positions=positions, kv=(k_buf, v_buf)))
         start += size
     assert torch.allclose(torch.cat(parts, 1), attn(x), atol=1e-6)
 
 
-def test_padding_rows_are_finite_and_real_rows_ignore_padding():
+def test_each_row_attends_only_up_to_its_own_position():
+    # Row 0 at position 2, row 1 at position 6, in one call: each equals its own sequence alone.
     torch.manual_seed(3)
     attn = CausalAttention(8, 8, 16, num_heads=2).eval()
-    real = torch.randn(1, 3, 8)
-    padded = torch.cat([torch.randn(1, 4, 8), real], dim=1)  # 4 padding positions on the left
-    mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
-    out = attn(padded, key_padding_mask=mask)
-    assert torch.isfinite(out).all()
-    assert torch.isfinite(attn.attention_weights(padded, key_padding_mask=mask)).all()
-    # causal attention is position-free: the real tokens give the same output as without the padding
-    assert torch.allclose(out[:, 4:], attn(real), atol=1e-6)
-    all_padding = attn(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 5))
-    assert torch.isfinite(all_padding).all()
+    seqs = [torch.randn(1, 3, 8), torch.randn(1, 7, 8)]
+    k_buf, v_buf = torch.full((2, 2, 16, 4), 1e4), torch.full((2, 2, 16, 4), 1e4)  # unwritten: garbage
+    for row, s in enumerate(seqs):
+        kv = (k_buf[row : row + 1], v_buf[row : row + 1])
+        attn(s[:, :-1], positions=torch.arange(s.shape[1] - 1)[None], kv=kv)
+    last = torch.cat([s[:, -1:] for s in seqs])
+    out = attn(last, positions=torch.tensor([[2], [6]]), kv=(k_buf, v_buf))
+    for row, s in enumerate(seqs):
+        assert torch.allclose(out[row], attn(s)[0, -1:], atol=1e-6), row
 
 
 def test_dropout_only_in_training():
@@ -115,7 +116,5 @@ def test_errors_name_the_limit():
     attn = CausalAttention(4, 4, 8)
     with pytest.raises(ValueError, match="sequence of 9 positions exceeds this attention's context_length"):
         attn(torch.randn(1, 9, 4))
-    with pytest.raises(ValueError, match="offset=2 needs a KV cache"):
-        attn(torch.randn(1, 3, 4), offset=2)
-    with pytest.raises(ValueError, match="key_padding_mask covers 2 positions but the keys span 3"):
-        attn(torch.randn(1, 3, 4), key_padding_mask=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="attention over a KV cache needs the positions"):
+        attn(torch.randn(1, 3, 4), kv=(torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4)))

@@ -1,4 +1,4 @@
-"""KVCache: sizes, in-place writes, and dropping leading positions."""
+"""KVCache: sizes, per-slot in-place writes at each row's positions, and clearing a slot."""
 
 import pytest
 import torch
@@ -7,17 +7,32 @@ from conftest import TINY_CONFIGS, make_model
 from model import GPTConfig, KVCache
 
 
-def test_buffers_are_preallocated_and_written_in_place():
+def test_each_slot_is_written_in_place_at_its_own_positions():
     config = TINY_CONFIGS["5x3x48"]
     model = make_model(config)
     cache = KVCache(config, 2, 20)
-    assert cache.k.shape == (5, 2, 3, 20, 16) and cache.nbytes == 2 * 5 * 2 * 3 * 20 * 16 * 4
-    k_ptr = cache.k.data_ptr()
+    assert len(cache.k) == 5 and cache.k[0].shape == (2, 3, 20, 16)
+    assert cache.nbytes == 2 * 5 * 2 * 3 * 20 * 16 * 4
+    ptrs = [b.data_ptr() for b in cache.k]
     with torch.no_grad():
-        model(torch.ones(2, 6, dtype=torch.long), cache=cache)
-        model(torch.ones(2, 1, dtype=torch.long), cache=cache)
-    assert cache.length == 7 and cache.k.data_ptr() == k_ptr
-    assert cache.k[:, :, :, :7].abs().sum() > 0 and cache.k[:, :, :, 7:].abs().sum() == 0
+        model(torch.ones(1, 6, dtype=torch.long), positions=torch.arange(6)[None], cache=cache, slot=1)
+        model(torch.ones(2, 1, dtype=torch.long), positions=torch.tensor([[0], [6]]), cache=cache)
+    assert [b.data_ptr() for b in cache.k] == ptrs
+    for k in cache.k:
+        assert k[1, :, :7].abs().sum() > 0 and k[1, :, 7:].abs().sum() == 0  # slot 1: positions 0..6
+        assert k[0, :, :1].abs().sum() > 0 and k[0, :, 1:].abs().sum() == 0  # slot 0: position 0 only
+
+
+def test_clear_empties_one_slot_only():
+    config = TINY_CONFIGS["2x2x32"]
+    cache = KVCache(config, 3, 10)
+    for b in (*cache.k, *cache.v):
+        b.fill_(float("nan"))
+    cache.lengths = [4, 5, 6]
+    cache.clear(1)
+    assert cache.lengths == [4, 0, 6]
+    for b in (*cache.k, *cache.v):
+        assert torch.equal(b[1], torch.zeros_like(b[1])) and b[0].isnan().all() and b[2].isnan().all()
 
 
 def test_bytes_per_token_matches_presets():
@@ -26,21 +41,9 @@ def test_bytes_per_token_matches_presets():
     assert KVCache.bytes_per_token(gpt2, torch.bfloat16) == 36_864
 
 
-def test_drop_front_moves_the_rest_forward():
-    config = TINY_CONFIGS["2x2x32"]
-    cache = KVCache(config, 1, 10)
-    cache.k[:, :, :, :6] = torch.arange(6.0)[:, None]
-    cache.length = 6
-    cache.drop_front(2)
-    assert cache.length == 4
-    assert torch.equal(cache.k[0, 0, 0, :4, 0], torch.tensor([2.0, 3.0, 4.0, 5.0]))
-    with pytest.raises(ValueError, match=r"can drop 0\.\.4 cached positions, not 5"):
-        cache.drop_front(5)
-
-
 def test_size_errors():
     config = TINY_CONFIGS["2x2x32"]
     with pytest.raises(ValueError, match=r"max_len must be in 1\.\.64"):
         KVCache(config, 1, 65)
-    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
+    with pytest.raises(ValueError, match="slots must be positive, got 0"):
         KVCache(config, 0, 8)

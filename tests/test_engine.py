@@ -17,7 +17,7 @@ def random_prompts(vocab, lengths, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_cached_greedy_equals_recomputed_greedy_batched(tiny_config, seed, fp32_products):
+def test_cached_greedy_equals_recomputed_greedy_batched(tiny_config, seed):
     model = make_model(tiny_config, seed=seed, std=0.3)  # clear argmax margins
     prompts = random_prompts(tiny_config.vocab_size, [1, 17, 6], seed)
     out = generate_ids(model, prompts, max_new_tokens=12, sampling=GREEDY, eos_id=None)
@@ -38,7 +38,7 @@ def test_rows_reaching_the_window_end_in_a_padded_batch_match_alone():
         assert row.token_ids == greedy_by_recomputation(model, p, 100)
 
 
-def test_greedy_equals_transformers_generate_with_left_padding(tmp_path, fp32_products):
+def test_greedy_equals_transformers_generate_with_left_padding(tmp_path):
     config = TINY_CONFIGS["5x3x48"]
     model = make_model(config, seed=11, std=0.3)
     checkpoints.save(model, tmp_path)

@@ -250,7 +250,7 @@ def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatc
     monkeypatch.setattr(generate.engine, "available_memory", lambda device: 10_000)
     code, out, err = run(["hi", "-c", ckpt], capsys, monkeypatch)
     assert code == 1 and out == ""
-    assert_one_line_error(err, r"needs about [\d,]+ MiB .*only 0 MiB are available on cpu; use fewer prompts")
+    assert_one_line_error(err, r"needs about [\d,]+ MiB .*only 0 MiB are available on cpu; use fewer slots")
 
 
 def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):

@@ -23,7 +23,7 @@ def test_output_head_is_the_token_embedding():
     with torch.no_grad():
         hidden = model.wte(x) + model.wpe(torch.arange(5))
         for block in model.h:
-            hidden = block(hidden, offset=0, key_padding_mask=None, kv=None)
+            hidden = block(hidden)
         logits = model(x)
         assert logits.shape == (1, 5, 211)
         assert torch.allclose(logits, model.ln_f(hidden) @ model.wte.weight.T, atol=1e-5)
@@ -31,15 +31,16 @@ def test_output_head_is_the_token_embedding():
     assert not any("lm_head" in n for n, _ in model.named_parameters())
 
 
-def test_positions_count_from_first_real_token():
+def test_positions_are_explicit_per_row():
+    # The same tokens at other positions give other logits: each row's positions are its own.
     model = make_model(TINY_CONFIGS["2x2x32"], seed=1)
+    config = model.config
     x = torch.tensor([[7, 8, 9]])
-    padded = torch.tensor([[0, 0, 7, 8, 9]])
-    mask = torch.tensor([[0, 0, 1, 1, 1]])
     with torch.no_grad():
-        assert torch.allclose(model(padded, attention_mask=mask)[:, 2:], model(x), atol=1e-5)
-        # without the mask, the padding shifts the positions and the logits differ
-        assert not torch.allclose(model(padded)[:, 2:], model(x), atol=1e-3)
+        at_zero = model(x, positions=torch.arange(3)[None], cache=KVCache(config, 1, 16))
+        assert torch.allclose(at_zero, model(x), atol=1e-5)
+        shifted = model(x, positions=torch.arange(5, 8)[None], cache=KVCache(config, 1, 16))
+        assert not torch.allclose(shifted, model(x), atol=1e-3)
 
 
 def test_residual_projections_use_scaled_init():
@@ -57,14 +58,22 @@ def test_input_errors_name_the_limit():
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="input_ids has no positions"):
         model(torch.zeros(1, 0, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 3\), expected \(1, 4\)"):
-        model(torch.zeros(1, 4, dtype=torch.long), attention_mask=torch.ones(1, 3))
-    with pytest.raises(ValueError, match="cache was allocated for batch size 2, input has 1 rows"):
-        model(torch.zeros(1, 4, dtype=torch.long), cache=KVCache(config, 2, 8))
-    cache = KVCache(config, 1, 8)
-    model(torch.zeros(1, 6, dtype=torch.long), cache=cache)
-    with pytest.raises(ValueError, match="KV cache holds 8 positions but 10 are needed"):
-        model(torch.zeros(1, 4, dtype=torch.long), cache=cache)
+    cache = KVCache(config, 2, 8)
+    ids, pos = torch.zeros(2, 4, dtype=torch.long), torch.arange(4).expand(2, -1)
+    with pytest.raises(ValueError, match=r"a cached forward needs positions of shape \(2, 4\)"):
+        model(ids, cache=cache)
+    with pytest.raises(ValueError, match="the cache has 2 slots but the input has 1 rows"):
+        model(ids[:1], positions=pos[:1], cache=cache)
+    with pytest.raises(ValueError, match=r"slot=2 needs one row and a slot in 0\.\.1"):
+        model(ids[:1], positions=pos[:1], cache=cache, slot=2)
+    with pytest.raises(ValueError, match=r"span=9 must be in 1\.\.8"):
+        model(ids, positions=pos, cache=cache, span=9)
+    with pytest.raises(ValueError, match=r"position 8 is outside 0\.\.7"):
+        model(ids, positions=pos + 5, cache=cache)
+    with pytest.raises(ValueError, match=r"position 5 is outside 0\.\.4"):
+        model(ids, positions=pos + 2, cache=cache, span=5)
+    with pytest.raises(ValueError, match="positions, slot and span apply to a cached forward"):
+        model(ids, positions=pos)
 
 
 def test_layers_share_one_causal_mask(tmp_path):

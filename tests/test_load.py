@@ -32,7 +32,7 @@ def our_config(hf: dict) -> GPTConfig:
 
 
 @pytest.mark.parametrize("name", sorted(PARITY_CONFIGS))
-def test_logits_match_transformers(tmp_path, name, fp32_products):
+def test_logits_match_transformers(tmp_path, name):
     kw = PARITY_CONFIGS[name]
     hf = save_hf(tmp_path, seed=1, **kw)
     ours = checkpoints.load(tmp_path)

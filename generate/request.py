@@ -1,0 +1,147 @@
+"""A request: one prompt with its own sampling settings, and what it has generated so far."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from generate.sampling import SamplingParams
+from generate.text import TextTracker
+
+
+def check_seed(seed: object) -> int | None:
+    """Return ``seed`` as an int (None stays None).
+
+    Raises:
+        ValueError: unless it is None or an integer (numpy integers too) in 0 .. 2**64 - 1.
+    """
+    if seed is None:
+        return None
+    try:
+        value = operator.index(seed)
+    except TypeError:
+        value = -1
+    if isinstance(seed, bool) or not 0 <= value < 2**64:
+        raise ValueError(f"seed={seed!r} is out of range; a seed must be an integer in 0..2**64-1, or None")
+    return value
+
+
+def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
+    """Check one token id prompt against the model's vocabulary and window.
+
+    Raises:
+        ValueError: for an empty prompt, an id outside ``0..vocab-1``, or one that leaves no room to generate.
+    """
+    if len(prompt) == 0:
+        raise ValueError("the prompt has no tokens; start it with <|endoftext|> (id 50256) for none")
+    if len(prompt) >= window:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
+            f"room for at most {window - 1} prompt tokens; shorten the prompt"
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, window: int) -> None:
+    """:func:`check_prompt` for each prompt; the message says which (``prompt i``, counted from 0)."""
+    if not prompts:
+        raise ValueError("no prompts given; pass at least one")
+    for i, p in enumerate(prompts):
+        try:
+            check_prompt(p, vocab, window)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+
+
+def check_max_new_tokens(value: object) -> int:
+    """Return ``value`` as an int. Raises ValueError unless it is an integer >= 0."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+@dataclass
+class Request:
+    """One prompt and everything about how to continue it; the engine fills in the results.
+
+    Attributes:
+        prompt: token ids, non-empty, shorter than the model's window.
+        sampling: how tokens are chosen (temperature, top-k/p, min-p, penalties).
+        max_new_tokens: the most tokens to generate; the end of the model's window also ends a request.
+        seed: seeds this request's own generator (None: nondeterministic), so its draws do not depend on
+            what else runs.
+        eos_id: the token that ends the request (None: never ends early).
+        stop: strings that end the request when its text contains one (needs the engine's tokenizer).
+        logprobs: record each chosen token's log-probability under the model's own distribution.
+        top_logprobs: also record that many most likely alternatives at each step (id -> log-probability).
+        token_ids, logprobs_list, top_list, finish_reason, text: the results so far.
+    """
+
+    prompt: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 64
+    seed: int | None = None
+    eos_id: int | None = 50256
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs_list: list[float] = field(default_factory=list)
+    top_list: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (budget or window)
+    text: TextTracker | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt = list(self.prompt)
+        self.max_new_tokens = check_max_new_tokens(self.max_new_tokens)
+        self.seed = check_seed(self.seed)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        top = self.top_logprobs
+        if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 0 <= top <= 20:
+            raise ValueError(f"top_logprobs must be an integer in 0..20, got {top!r}")
+
+    @property
+    def done(self) -> bool:
+        """Whether the request has finished."""
+        return self.finish_reason is not None
+
+    def start(self, device: torch.device, token_bytes: Callable[[int], bytes] | None) -> torch.Generator:
+        """Reset the results (a request can be run again) and return its seeded generator."""
+        self.token_ids, self.logprobs_list, self.top_list, self.finish_reason = [], [], [], None
+        if token_bytes is not None:
+            self.text = TextTracker(token_bytes, self.stop)
+        elif self.stop:
+            raise ValueError("stop strings need the engine to have a tokenizer; pass token_bytes=")
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+    def record(self, token: int, window: int) -> None:
+        """Append a chosen token and decide whether the request is finished (EOS, stop string, budget,
+        or the window: prompt + output never exceed ``window`` positions)."""
+        self.token_ids.append(token)
+        if token == self.eos_id or (self.text is not None and self.text.add(token)):
+            self.finish("stop")
+        elif len(self.token_ids) >= self.max_new_tokens or len(self.prompt) + len(self.token_ids) >= window:
+            self.finish("length")
+        if self.text is not None and self.text.stopped:
+            self.finish("stop")  # the token that spent the budget completed a stop string: the text says stop
+
+    def finish(self, reason: str) -> None:
+        """Mark the request finished; ``"stop"`` also replaces ``"length"`` (see :meth:`record`)."""
+        if self.finish_reason is None or (self.finish_reason == "length" and reason == "stop"):
+            self.finish_reason = reason
+        if self.text is not None:
+            self.text.close()
