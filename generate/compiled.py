@@ -47,10 +47,13 @@ def compile_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Te
         compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
     else:
         compiled = torch.compile(step, options=dict(CPU_OPTIONS), fullgraph=True, dynamic=False)
-    zeros = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
     start = time.perf_counter()
     log.info("compiling the decode step (%d slots x %d positions)", cache.slots, cache.max_len)
+    # Inputs made as the engine makes them (inference tensors, not one tensor twice): dynamo guards on both,
+    # and a guard that fails at the first real step recompiles, which costs as much as the first compile.
     with torch.inference_mode():
-        compiled(zeros, zeros)  # writes position 0 of every slot; a slot is cleared when a request joins it
+        tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
+        positions = torch.zeros_like(tokens)
+        compiled(tokens, positions)  # writes position 0 of every slot; a slot is cleared as a request joins
     log.info("decode step compiled in %.1f s", time.perf_counter() - start)
     return compiled

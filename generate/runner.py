@@ -46,4 +46,5 @@ class Runner:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
         device = self.model.device
-        return self._decode(tokens.to(device)[:, None], positions.to(device)[:, None])
+        with torch.inference_mode():  # fresh inference tensors every step, as the compiled step was traced on
+            return self._decode(tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None])
