@@ -112,6 +112,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
+        self._generators: dict[int, torch.Generator] = {}  # id(request) -> its generator, until it runs
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
     @property
@@ -127,8 +128,10 @@ class Engine:
     def add(self, request: Request) -> Request:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
-        request.start(self.model.device, self.token_bytes)  # refuses stop strings without a tokenizer
+        # Results reset and the seeded generator made once, here (refuses stop strings without a tokenizer).
+        self._generators[id(request)] = request.start(self.model.device, self.token_bytes)
         if request.max_new_tokens == 0:
+            del self._generators[id(request)]
             request.finish("length")
         else:
             self.waiting.append(request)
@@ -138,6 +141,7 @@ class Engine:
         """Stop a request wherever it is (waiting or running) and free its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
+            self._generators.pop(id(request), None)
         for slot, r in list(self.running.items()):
             if r is request:
                 self._free(slot)
@@ -178,11 +182,12 @@ class Engine:
             yield self.step()
 
     def _start_state(self, slot: int, request: Request) -> None:
-        generator = request.start(self.model.device, self.token_bytes)
+        generator = self._generators.pop(id(request))
         seen = counts = None
         if request.sampling.penalized:
             seen = torch.zeros(self.vocab, dtype=torch.bool)
-            seen[torch.tensor(request.prompt)[torch.tensor(request.prompt) < self.vocab]] = True
+            prompt = torch.tensor(request.prompt)
+            seen[prompt[prompt < self.vocab]] = True
             counts = torch.zeros(self.vocab, dtype=torch.int32)
         self._state[slot] = (generator, seen, counts)
 

@@ -66,7 +66,7 @@ def check_max_new_tokens(value: object) -> int:
     return int(value)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the engine finds it by identity, never by equal fields
 class Request:
     """One prompt and everything about how to continue it; the engine fills in the results.
 
