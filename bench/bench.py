@@ -44,7 +44,13 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="time our compiled decode step (first compile and cached start too)",
+        help="also time our compiled decode step (its first compile from an empty cache and a second "
+        "process's start with the step on disk)",
+    )
+    p.add_argument(
+        "--model",
+        help="a checkpoint directory in the Hugging Face GPT-2 layout (config.json, model.safetensors), e.g. "
+        "checkpoints/shakespeare (default: random weights of GPT-2 124M geometry)",
     )
     p.add_argument("--worker", choices=["ours", "compiled", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
@@ -148,8 +154,10 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
 class Worker:
     """A library in its own process, answering one JSON job per line."""
 
-    def __init__(self, kind: str, directory: str, dtype: str) -> None:
+    def __init__(self, kind: str, directory: str, dtype: str, compile_dir: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if compile_dir:
+            env["GPTGEN_CACHE_DIR"] = compile_dir
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", kind, "--dir", directory, "--dtype", dtype],
             stdin=subprocess.PIPE,
@@ -217,77 +225,85 @@ def prefill_ms(worker: Worker, ids: list[int]) -> float:
     return 1000 * worker.ask(op="prefill", ids=ids)["seconds"]
 
 
-def alternate(ours: Worker, hf: Worker, measure, rounds: int) -> tuple[list[float], list[float]]:
-    """Run ``measure`` on ours then HF, ``rounds`` times, alternating the order of each pair."""
-    a, b = [], []
+def alternate(workers: dict[str, Worker], measure, rounds: int) -> dict[str, list[float]]:
+    """Run ``measure`` on every worker, ``rounds`` times, rotating which goes first in each round."""
+    names = list(workers)
+    out: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        if r % 2 == 0:
-            a.append(measure(ours))
-            b.append(measure(hf))
-        else:
-            b.append(measure(hf))
-            a.append(measure(ours))
-    return a, b
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(measure(workers[name]))
+    return out
 
 
-def report(name: str, unit: str, a: list[float], b: list[float], higher_is_better: bool) -> dict:
-    ratios = [x / y for x, y in zip(a, b, strict=True)]
-    row = {
-        "name": name,
-        "ours": statistics.median(a),
-        "hf": statistics.median(b),
-        "ratio": statistics.median(ratios),
-    }
+def report(name: str, unit: str, results: dict[str, list[float]], higher_is_better: bool) -> dict:
+    """Print each library's median and the median of its paired ratios to HF's; return them."""
+    hf = results["hf"]
+    row: dict[str, float] = {"hf": statistics.median(hf)}
+    parts = []
+    for lib, values in results.items():
+        row[lib] = statistics.median(values)
+        if lib == "hf":
+            continue
+        row[f"{lib}/hf"] = statistics.median(x / y for x, y in zip(values, hf, strict=True))
+        parts.append(f"{LABELS[lib]} {row[lib]:8.2f} ({row[f'{lib}/hf']:.2f}x HF)")
     better = "higher is better" if higher_is_better else "lower is better"
-    print(
-        f"{name:<34} ours {row['ours']:9.2f} {unit:<6} HF {row['hf']:9.2f} {unit:<6} "
-        f"ours/HF {row['ratio']:.2f}x ({better})",
-        flush=True,
-    )
+    print(f"{name:<34} {unit}: {'; '.join(parts)}; HF {row['hf']:8.2f} ({better})", flush=True)
     return row
 
 
-def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str, dict]:
+LABELS = {"ours": "ours eager", "compiled": "ours compiled", "hf": "HF"}
+
+
+def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir: str) -> dict[str, dict]:
     import torch
 
     from model import GPTConfig, KVCache
 
     rounds = args.rounds or (2 if args.quick else 5)
     new = 32 if args.quick else 128
+    config = json.loads((Path(directory) / "config.json").read_text())
+    vocab, window = config.get("vocab_size", 50257), config.get("n_positions", 1024)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 50257, (16,), generator=g).tolist()
-    batch = [torch.randint(0, 50257, (n,), generator=g).tolist() for n in (8, 16, 24, 32, 40, 48, 56, 64)]
-    long_prompt = torch.randint(0, 50257, (128 if args.quick else 512,), generator=g).tolist()
+    prompt = torch.randint(0, vocab, (16,), generator=g).tolist()
+    batch = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (8, 16, 24, 32, 40, 48, 56, 64)]
+    long_prompt = torch.randint(0, vocab, (min(window, 128 if args.quick else 512),), generator=g).tolist()
     # int8 is weight-only: its activations and KV cache are bf16, so it is compared with HF in bf16.
     hf_dtype = "bfloat16" if dtype.startswith("int8") else dtype
-    kind = "compiled" if args.compile else "ours"
-    ours, hf = Worker(kind, directory, dtype), Worker("hf", directory, hf_dtype)
+    workers = {"ours": Worker("ours", directory, dtype)}
     try:
         if args.compile:
-            first = ours.ask(op="generate", prompts=[prompt], new=2, room=new)["seconds"]
-            print(f"[{dtype}] compiled: first compile of the batch-1 step {first:.1f} s", flush=True)
-            ours.ask(op="generate", prompts=batch, new=2, room=new)  # the batch-8 shape, compiled now
-            ours_start = time.perf_counter()  # a new process: import, load, compile, first tokens
-            second = Worker(kind, directory, dtype)
+            start = time.perf_counter()
+            workers["compiled"] = Worker("compiled", directory, dtype, compile_dir)
+            workers["compiled"].ask(op="generate", prompts=[prompt], new=2, room=new)
+            took = time.perf_counter() - start
+            print(f"[{dtype}] compiled: a first process (empty cache) generates {took:.1f} s after it starts "
+                  "(load, compile the batch-1 step, first tokens)", flush=True)  # fmt: skip
+            start = time.perf_counter()
+            workers["compiled"].ask(op="generate", prompts=batch, new=2, room=new)
+            print(f"[{dtype}] compiled: the batch-8 step compiled in {time.perf_counter() - start:.1f} s",
+                  flush=True)  # fmt: skip
+            start = time.perf_counter()
+            second = Worker("compiled", directory, dtype, compile_dir)
             second.ask(op="generate", prompts=[prompt], new=2, room=new)
-            print(f"[{dtype}] compiled: a second process generates {time.perf_counter() - ours_start:.1f} s "
-                  f"after it starts (inductor's on-disk cache warm)", flush=True)  # fmt: skip
+            took = time.perf_counter() - start
+            print(f"[{dtype}] compiled: a second process generates {took:.1f} s after it starts (the "
+                  "compiled step loaded from disk)", flush=True)  # fmt: skip
             second.close()
-        same = (
-            ours.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
-            == hf.ask(op="generate", prompts=batch[:3], new=16)["tokens"]
-        )
+        workers["hf"] = Worker("hf", directory, hf_dtype)
+        tokens = {n: w.ask(op="generate", prompts=batch[:3], new=16)["tokens"] for n, w in workers.items()}
+        same = {name: tokens[name] == tokens["hf"] for name in workers if name != "hf"}
         label = dtype if dtype == hf_dtype else f"{dtype} vs HF {hf_dtype}"
         print(
-            f"[{dtype}] identical greedy tokens (3 left-padded prompts, 16 new): {same}; threads "
-            f"ours {ours.info['threads']}, HF {hf.info['threads']}",
+            f"[{dtype}] greedy tokens equal to HF's (3 left-padded prompts, 16 new): "
+            + ", ".join(f"{LABELS[n]} {v}" for n, v in same.items())
+            + f"; threads ours {workers['ours'].info['threads']}, HF {workers['hf'].info['threads']}",
             flush=True,
         )
-        if dtype == "float32" and not same:
+        if dtype == "float32" and not all(same.values()):
             raise SystemExit("fp32 greedy tokens differ from transformers: not timing a wrong answer")
         measure = set(args.measure.split(","))
         rows = {}
-        bandwidths = []  # read before every batch-1 call (both libraries alike): the bandwidth drifts
+        bandwidths = []  # read before every batch-1 call (every library alike): the bandwidth drifts
 
         def batch1(w: Worker) -> float:
             bandwidths.append(read_bandwidth())
@@ -295,49 +311,52 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace) -> dict[str,
 
         if "batch1" in measure:
             rows["batch1"] = report(
-                f"[{label}] decode batch 1 ({new} new)", "tok/s", *alternate(ours, hf, batch1, rounds), True
+                f"[{label}] decode batch 1 ({new} new)", "tok/s", alternate(workers, batch1, rounds), True
             )
         if "batch8" in measure:
             rows["batch8"] = report(
                 f"[{label}] decode batch 8 (8..64 prompt)",
                 "tok/s",
-                *alternate(ours, hf, lambda w: decode_rate(w, batch, new), rounds),
+                alternate(workers, lambda w: decode_rate(w, batch, new), rounds),
                 True,
             )
         if "prefill" in measure:
+            eager = {k: w for k, w in workers.items() if k != "compiled"}  # prefill is eager in both of ours
             rows["prefill"] = report(
                 f"[{label}] prefill {len(long_prompt)} tokens",
                 "ms",
-                *alternate(ours, hf, lambda w: prefill_ms(w, long_prompt), rounds),
+                alternate(eager, lambda w: prefill_ms(w, long_prompt), rounds),
                 False,
             )
-        weights = ours.info["weights"]
-        per_token = KVCache.bytes_per_token(GPTConfig(), getattr(torch, hf_dtype))
+        weights = workers["ours"].info["weights"]
+        geometry = GPTConfig(**{k: config[k] for k in ("n_layer", "n_embd", "n_head") if k in config})
+        per_token = KVCache.bytes_per_token(geometry, getattr(torch, hf_dtype))
         kv = per_token * (len(prompt) + new)
         # The largest cache the process held: batch 8 spans its longest prompt plus the new tokens.
         kv_max = per_token * len(batch) * (max(map(len, batch)) + new) if "batch8" in measure else kv
         budget = weights + kv_max + 350 * 10**6
-        bandwidth = statistics.median(bandwidths) if bandwidths else None
         mib = 2**20
         print(
-            f"[{dtype}] weights {weights / mib:.0f} MiB (HF {hf.info['weights'] / mib:.0f}), "
-            f"KV cache batch 1 {kv / mib:.1f} MiB, largest {kv_max / mib:.1f} MiB;"
-            f" peak RSS ours {ours.peak_rss / mib:.0f} MiB (budget weights + KV + 350 MB = "
-            f"{budget / mib:.0f} MiB), HF {hf.peak_rss / mib:.0f} MiB",
+            f"[{dtype}] weights {weights / mib:.0f} MiB (HF {workers['hf'].info['weights'] / mib:.0f}), "
+            f"KV cache batch 1 {kv / mib:.1f} MiB, largest {kv_max / mib:.1f} MiB; peak RSS "
+            + ", ".join(f"{LABELS[n]} {w.peak_rss / mib:.0f} MiB" for n, w in workers.items())
+            + f" (budget for ours eager: weights + KV + 350 MB = {budget / mib:.0f} MiB)",
             flush=True,
         )
-        if bandwidth:
+        if bandwidths and "batch1" in rows:
+            bandwidth = statistics.median(bandwidths)
             limit = bandwidth / weights
             print(
                 f"[{dtype}] read bandwidth (1 GiB sum, before each batch-1 call): median "
                 f"{bandwidth / 1e9:.1f} GB/s ({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
-                f"bandwidth limit {limit:.0f} tok/s, our batch 1 at "
-                f"{rows['batch1']['ours'] / limit:.2f} of it",
+                f"bandwidth limit {limit:.0f} tok/s (weights read once a token); batch 1 at "
+                + ", ".join(f"{LABELS[n]} {rows['batch1'][n] / limit:.2f}" for n in workers if n != "hf")
+                + " of it",
                 flush=True,
             )
     finally:
-        ours.close()
-        hf.close()
+        for w in workers.values():
+            w.close()
     return rows
 
 
@@ -356,11 +375,15 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     print(cpu_description(), flush=True)
-    with tempfile.TemporaryDirectory() as directory:
-        torch.manual_seed(0)
-        transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+    with tempfile.TemporaryDirectory() as directory, tempfile.TemporaryDirectory() as compile_dir:
+        if args.model:
+            directory = args.model
+        else:
+            torch.manual_seed(0)
+            transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+        print(f"model: {args.model or 'GPT-2 124M geometry, random weights'}", flush=True)
         for dtype in args.dtypes.split(","):
-            run_dtype(directory, dtype, args)
+            run_dtype(directory, dtype, args, compile_dir)  # compiled steps in a fresh cache: a cold start
 
 
 if __name__ == "__main__":

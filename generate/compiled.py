@@ -1,21 +1,29 @@
-"""The compiled decode step: one graph per engine shape, compiled by inductor and cached on disk.
+"""The compiled decode step: one graph per engine shape, compiled ahead of time and kept on disk.
 
-Settings, measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1, medians of 40 steps; see the
-README): on the CPU, ``freezing`` (weights become constants, prepacked for the GEMM kernels) with
-``max_autotune`` and the C++ GEMM template ran a step in 18-19 ms in fp32 (eager: 42 ms) and 12 ms in bf16
-(eager: 24 ms); without freezing the template was no faster than eager (39 ms). On CUDA the step runs as a
-CUDA graph (``reduce-overhead``).
+On the CPU the step is exported (``torch.export``) and compiled by AOTInductor into a package in the user's
+cache (``$XDG_CACHE_HOME/gptgen/steps``), with ``freezing`` (the weights become constants, prepacked for the
+GEMM kernels) and ``max_autotune`` (inductor's C++ GEMM template or ATen, whichever measures faster here). The
+package's name is a digest of everything the compiled code depends on: the weights' bytes, the config, the
+dtype, the shapes, the torch version, the thread count and the CPU (model name and the instruction sets torch
+uses). A later process with the same key loads the package in seconds instead of compiling again.
 
-Inductor keeps what it compiled, and what autotuning measured, in its cache directory, which this module
-points at the user's cache (``$XDG_CACHE_HOME/gptgen/inductor``, unless ``TORCHINDUCTOR_CACHE_DIR`` is set).
+Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1, medians; see the README): the packaged
+step ran in about 13 ms in fp32 (eager: 42 ms); inductor's just-in-time ``torch.compile`` with the same
+settings ran 19 ms, and without ``freezing`` 39-50 ms. On CUDA the step is ``torch.compile``'s
+``reduce-overhead`` (a CUDA graph), compiled in each process (inductor caches its kernels).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
+import platform
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -24,36 +32,172 @@ from model import GPT, KVCache
 
 log = logging.getLogger("gptgen")
 
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# Inductor's settings on the CPU; the last two keep autotuning's tables off stderr (we log progress).
+CPU_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+FORMAT = 1  # bump when the exported step changes: older packages stop matching
 
 
 def cache_dir() -> Path:
-    """Where compiled artifacts are kept: ``$XDG_CACHE_HOME/gptgen`` (default ``~/.cache/gptgen``)."""
+    """Where compiled artifacts are kept: ``$GPTGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gptgen``
+    (default ``~/.cache/gptgen``)."""
+    if os.environ.get("GPTGEN_CACHE_DIR"):
+        return Path(os.environ["GPTGEN_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptgen"
 
 
-def compile_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Compile the decode step of ``model`` over ``cache`` and run it once (the compile happens then).
+def cpu_signature() -> dict[str, object]:
+    """What compiled CPU code depends on: the CPU model, the instruction sets torch dispatches to, threads."""
+    name = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+        name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return {
+        "cpu": name,
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "threads": torch.get_num_threads(),
+    }
 
-    The step takes (slots, 1) token ids and positions and returns (slots, V) logits of the last position,
-    attending over all ``cache.max_len`` positions of every slot: static shapes, one graph.
-    """
+
+def weights_digest(model: GPT) -> str:
+    """A digest of the model's weights (every tensor's name, dtype, shape and bytes)."""
+    h = hashlib.blake2b(digest_size=20)
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+def step_key(model: GPT, cache: KVCache) -> str:
+    """The name of a compiled step: a digest of the weights, config, dtype, shapes, torch and the CPU."""
+    facts = {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "weights": weights_digest(model),
+        "config": repr(model.config),
+        "dtype": str(cache.k[0].dtype),
+        "slots": cache.slots,
+        "max_len": cache.max_len,
+        **cpu_signature(),
+    }
+    return hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+class _Step(torch.nn.Module):
+    """The decode step as a module to export: the cache's buffers are inputs, written in place."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
+        return self.model(tokens, positions=positions, cache=cache, last_only=True)[:, -1]
+
+
+@contextlib.contextmanager
+def _progress(what: str, every: float = 15.0) -> Iterator[None]:
+    """Log ``what`` now, then the time taken so far every ``every`` seconds until the block ends."""
+    start, done = time.perf_counter(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            log.info("  ... still compiling (%.0f s)", time.perf_counter() - start)
+
+    log.info("%s", what)
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _inputs(cache: KVCache, device: torch.device) -> tuple[torch.Tensor, ...]:
+    tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=device)
+    return (tokens, torch.zeros_like(tokens), *cache.k, *cache.v)
+
+
+def _package(model: GPT, cache: KVCache, path: Path) -> None:
+    """Export and AOT-compile the step into ``path`` (written to a temporary name, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))  # autotuning's results
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+    start = time.perf_counter()
+    with _progress(f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions; about a "
+                   "minute for GPT-2 124M, once per shape)"):  # fmt: skip
+        with torch.no_grad():
+            exported = torch.export.export(_Step(model), _inputs(cache, model.device))
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+                                                     inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    log.info("decode step compiled in %.1f s, kept in %s", time.perf_counter() - start, path)
+
+
+def _load(path: Path) -> Callable[..., torch.Tensor]:
+    start = time.perf_counter()
+    step = torch._inductor.aoti_load_package(str(path))
+    log.info("decode step loaded from %s in %.1f s", path, time.perf_counter() - start)
+    return step
+
+
+def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The CPU step: load its package from the cache directory, compiling it first if it is not there."""
+    path = cache_dir() / "steps" / f"{step_key(model, cache)}.pt2"
+    step = None
+    if path.exists():
+        try:
+            step = _load(path)
+        except Exception as e:  # a truncated or foreign file: compile it again
+            log.warning("could not load %s (%s); compiling it again", path, e)
+            path.unlink(missing_ok=True)
+    if step is None:
+        _package(model, cache, path)
+        step = _load(path)
+    os.utime(path)  # last used: what a clean-up of the cache directory would go by
+
+    def run(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return step(tokens, positions, *cache.k, *cache.v)
+
+    return run
+
+
+def jit_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions=positions, cache=cache, last_only=True)[:, -1]
 
-    if model.device.type == "cuda":
-        compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    else:
-        compiled = torch.compile(step, options=dict(CPU_OPTIONS), fullgraph=True, dynamic=False)
-    start = time.perf_counter()
-    log.info("compiling the decode step (%d slots x %d positions)", cache.slots, cache.max_len)
-    # Inputs made as the engine makes them (inference tensors, not one tensor twice): dynamo guards on both,
-    # and a guard that fails at the first real step recompiles, which costs as much as the first compile.
-    with torch.inference_mode():
-        tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
-        positions = torch.zeros_like(tokens)
-        compiled(tokens, positions)  # writes position 0 of every slot; a slot is cleared as a request joins
-    log.info("decode step compiled in %.1f s", time.perf_counter() - start)
+    cuda = model.device.type == "cuda"
+    compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
+    # On the CPU the settings go in inductor's config around the first call, which compiles: passed as
+    # torch.compile(options=...) they did not take (no frozen weights, no GEMM template: 50 ms a step).
+    # Inputs made as the engine makes them (inference tensors, not one tensor twice): dynamo guards on them,
+    # and a guard that fails at the first real step recompiles.
+    what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
+    with _progress(what), torch.inference_mode(), torch._inductor.config.patch({} if cuda else CPU_OPTIONS):
+        compiled(*_inputs(cache, model.device)[:2])  # writes position 0 of every slot (cleared on join)
     return compiled
+
+
+def compile_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The compiled decode step of ``model`` over ``cache``, ready to run.
+
+    It takes (slots, 1) token ids and positions and returns (slots, V) logits of the last position,
+    attending over all ``cache.max_len`` positions of every slot: static shapes, one graph. On the CPU it
+    is an AOTInductor package kept on disk (:func:`packaged_step`); elsewhere ``torch.compile``.
+    """
+    if model.device.type == "cpu":
+        return packaged_step(model, cache)
+    return jit_step(model, cache)

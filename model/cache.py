@@ -51,6 +51,15 @@ class KVCache:
         self.max_len = max_len
         self.lengths = [0] * slots
 
+    @classmethod
+    def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
+        """A cache over existing per-layer buffers (no copy), e.g. a traced step's inputs; lengths are 0."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = list(k), list(v)
+        cache.slots, cache.max_len = k[0].shape[0], k[0].shape[2]
+        cache.lengths = [0] * cache.slots
+        return cache
+
     def layer(self, index: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's key and value buffers, each (slots, n_head, max_len, head_dim), or with ``slot``
         that slot's alone, (1, n_head, max_len, head_dim) (views: writes land in the cache)."""

@@ -64,3 +64,14 @@ def cached_logits(
         start += size
     assert start == t
     return torch.cat(out, dim=1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compiled_steps_in_pytest_cache(pytestconfig):
+    """Compiled decode steps go to pytest's cache directory (kept between local runs, fresh in CI), never
+    to the user's own cache; subprocesses (the CLI) inherit it."""
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GPTGEN_CACHE_DIR", str(pytestconfig.cache.mkdir("gptgen")))
+    yield
+    mp.undo()

@@ -80,7 +80,7 @@ def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5():
         assert max((a - b).abs().max().item() for a, b in zip(alone, together, strict=True)) <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int8-body"])
 def test_compiled_a_request_alone_equals_it_beside_others_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), 2, 2, compile=True):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list

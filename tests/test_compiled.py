@@ -1,0 +1,104 @@
+"""The compiled decode step's life on disk: compiled once per key, loaded by later engines and processes, a
+damaged package compiled again, and a key that changes with everything the compiled code depends on.
+
+(Its arithmetic is tested with the engine's: test_prefix_consistency and test_batch_invariance run compiled
+engines at every prefix and alone versus batched.)
+"""
+
+import logging
+
+import torch
+from test_prefix_consistency import (
+    FP32_TOL,
+    assert_engine_matches_full_forward,
+    mixed_requests,
+    run_and_record,
+)
+
+import generate.compiled as compiled
+from conftest import TINY_CONFIGS, make_model
+from generate.engine import Engine
+from model import KVCache
+
+CONFIG = TINY_CONFIGS["2x2x32"]
+
+
+def model_and_requests():
+    # The model and engine shape of test_prefix_consistency's compiled fp32 test: the same package.
+    return make_model(CONFIG, seed=6, std=0.3), mixed_requests(CONFIG, 6, count=5)
+
+
+def test_a_later_engine_loads_the_package_without_compiling(monkeypatch, caplog):
+    model, requests = model_and_requests()
+    Engine(model, slots=2, compile=True)  # compiled now, or loaded if an earlier test compiled it
+    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
+    assert path.is_file()
+
+    def refuse(*args):
+        raise AssertionError("compiled again although the package is on disk")
+
+    monkeypatch.setattr(compiled, "_package", refuse)
+    with caplog.at_level(logging.INFO, logger="gptgen"):
+        engine = Engine(model, slots=2, compile=True)
+    assert f"decode step loaded from {path}" in caplog.text
+    seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+def test_a_damaged_package_is_compiled_again(monkeypatch, caplog, tmp_path):
+    model, requests = model_and_requests()
+    Engine(model, slots=2, compile=True)
+    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
+    good = tmp_path / "good.pt2"
+    good.write_bytes(path.read_bytes())
+    path.write_bytes(b"not a package")
+    rebuilt = []
+
+    def package(model_, cache_, path_):  # stands in for the minute-long compile: restores the good file
+        rebuilt.append(path_)
+        path_.write_bytes(good.read_bytes())
+
+    monkeypatch.setattr(compiled, "_package", package)
+    with caplog.at_level(logging.INFO, logger="gptgen"):
+        engine = Engine(model, slots=2, compile=True)
+    assert rebuilt == [path] and "could not load" in caplog.text
+    seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+def test_the_key_changes_with_weights_dtype_shape_and_threads(monkeypatch):
+    model = make_model(CONFIG, seed=6, std=0.3)
+    key = compiled.step_key(model, KVCache(CONFIG, 2, 64))
+    assert compiled.step_key(model, KVCache(CONFIG, 2, 64)) == key  # deterministic
+    other = make_model(CONFIG, seed=6, std=0.3)
+    with torch.no_grad():
+        other.h[1].mlp.c_fc.weight[3, 5] += 1e-3
+    assert compiled.step_key(other, KVCache(CONFIG, 2, 64)) != key
+    assert compiled.step_key(model, KVCache(CONFIG, 4, 64)) != key
+    assert compiled.step_key(model, KVCache(CONFIG, 2, 32)) != key
+    half = model.to(torch.bfloat16)
+    assert compiled.step_key(half, KVCache(CONFIG, 2, 64, dtype=torch.bfloat16)) != key
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    assert compiled.step_key(make_model(CONFIG, seed=6, std=0.3), KVCache(CONFIG, 2, 64)) != key
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiled.cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("GPTGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiled.cache_dir() == tmp_path / "xdg" / "gptgen"
+
+
+def test_jit_step_compiles_once_and_matches_the_full_forward():
+    # The torch.compile step (CUDA's; tested here on the CPU): one graph for the engine's whole life. Rows
+    # joining, leaving and moving through positions do not recompile it.
+    from torch._dynamo.utils import counters
+
+    model, requests = model_and_requests()
+    engine = Engine(model, slots=2)
+    engine.runner._decode = compiled.jit_step(model, engine.cache)  # compiled here, on a warm-up step
+    graphs = counters["stats"]["unique_graphs"]
+    seen = run_and_record(engine, requests)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
