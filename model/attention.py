@@ -138,6 +138,11 @@ class CausalAttention(nn.Module):
         v_buf[rows, :, positions] = v.transpose(1, 2)
         span = k_buf.shape[2] if span is None else span
         keys = torch.arange(span, device=x.device)
-        allowed = keys <= positions[:, None, :, None]  # (B, 1, T, span): key position <= query position
-        y = F.scaled_dot_product_attention(q, k_buf[:, :, :span], v_buf[:, :, :span], attn_mask=allowed)
+        blocked = keys > positions[:, None, :, None]  # (B, 1, T, span): key position > query position
+        # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
+        # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). Scores and softmax in
+        # fp32 whatever the dtype, as SDPA's kernels keep them.
+        scores = (q @ k_buf[:, :, :span].transpose(-2, -1)).float() * (1.0 / math.sqrt(self.head_dim))
+        weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)  # (B, nh, T, span)
+        y = weights.to(v_buf.dtype) @ v_buf[:, :, :span]  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
