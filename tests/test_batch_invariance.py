@@ -44,10 +44,20 @@ def fresh(r: Request) -> Request:
     return Request(r.prompt, r.sampling, r.max_new_tokens, seed=r.seed, eos_id=None, logprobs=True)
 
 
-def alone_and_together(model, slots: int, alone_slots: int, compile: bool = False):
+def engine(model, slots: int, compile: bool = False, onednn: bool | None = None) -> Engine:
+    """An engine; ``onednn`` forces the eager fp32 route (else it is what was measured here)."""
+    made = Engine(model, slots=slots, compile=compile)
+    if onednn is not None:
+        made.runner.onednn = onednn
+    return made
+
+
+def alone_and_together(
+    model, slots: int, alone_slots: int, compile: bool = False, onednn: bool | None = None
+):
     together = requests()
-    seen_together = run_and_record(Engine(model, slots=slots, compile=compile), together)
-    alone_engine = Engine(model, slots=alone_slots, compile=compile)
+    seen_together = run_and_record(engine(model, slots, compile, onednn), together)
+    alone_engine = engine(model, alone_slots, compile, onednn)
     results = []
     for r in together:
         single = fresh(r)
@@ -67,6 +77,13 @@ def test_a_request_alone_equals_it_beside_others_in_the_same_engine_bitwise(dtyp
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
+def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
+    for r, single, together, alone in alone_and_together(model_in("float32"), 3, 3, onednn=onednn):
+        assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
+        assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body"])
 def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), slots=4, alone_slots=1):
@@ -74,8 +91,9 @@ def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5():
-    for r, single, together, alone in alone_and_together(model_in("float32"), slots=4, alone_slots=1):
+@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
+def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5(onednn):
+    for r, single, together, alone in alone_and_together(model_in("float32"), 4, 1, onednn=onednn):
         assert single.token_ids == r.token_ids
         assert max((a - b).abs().max().item() for a, b in zip(alone, together, strict=True)) <= 1e-5
 

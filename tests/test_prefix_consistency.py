@@ -123,11 +123,15 @@ def mixed_requests(config, seed, count=6):
     return out
 
 
+@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed):
+def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed, onednn):
+    # Both eager fp32 routes (F.linear, oneDNN: generate/kernels.py), whichever this machine would pick.
     model = make_model(tiny_config, seed=seed, std=0.3)
     requests = mixed_requests(tiny_config, seed)
-    seen = run_and_record(Engine(model, slots=2), requests)
+    engine = Engine(model, slots=2)
+    engine.runner.onednn = onednn
+    seen = run_and_record(engine, requests)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
 
 

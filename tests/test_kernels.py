@@ -1,0 +1,55 @@
+"""Eager kernel routes (generate/kernels.py): oneDNN's fp32 inner product stands in for F.linear only where
+it is asked to, computes the same product, and is chosen by a measurement only for fp32 CPU models."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TINY_CONFIGS, make_model
+from generate.kernels import OneDNNLinear, onednn_available, onednn_pays
+from model.quant import quantize_int8
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_onednn_linear_equals_f_linear_within_1e_5(rows):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, 2, 48), torch.randn(96, 48), torch.randn(96)
+    with torch.inference_mode():
+        want = F.linear(x, w, b)
+        with OneDNNLinear():
+            got = F.linear(x, w, b)
+            no_bias = F.linear(x, w)
+    assert got.shape == want.shape == (rows, 2, 96)
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (no_bias - F.linear(x, w)).abs().max().item() <= 1e-5
+
+
+@needs_onednn
+def test_the_mode_leaves_other_dtypes_and_functions_alone():
+    x, w = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = F.linear(x, w)
+        with OneDNNLinear():
+            assert torch.equal(F.linear(x, w), want)  # bf16: F.linear itself, bitwise
+            assert torch.equal(torch.add(x, x), x + x)
+
+
+@needs_onednn
+def test_a_model_forward_under_the_mode_matches_the_reference():
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1)
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.inference_mode():
+        want = model(ids)
+        with OneDNNLinear():
+            got = model(ids)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_only_fp32_cpu_models_are_measured():
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
+    assert isinstance(onednn_pays(model, 2), bool)  # whichever is faster on this machine
+    assert onednn_pays(model.to(torch.bfloat16), 2) is False
+    assert onednn_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 2) is False
