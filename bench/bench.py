@@ -284,10 +284,11 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
                   flush=True)  # fmt: skip
             start = time.perf_counter()
             second = Worker("compiled", directory, dtype, compile_dir)
-            second.ask(op="generate", prompts=[prompt], new=2, room=new)
+            rss = second.ask(op="generate", prompts=[prompt], new=2, room=new)["peak_rss"]
             took = time.perf_counter() - start
             print(f"[{dtype}] compiled: a second process generates {took:.1f} s after it starts (the "
-                  "compiled step loaded from disk)", flush=True)  # fmt: skip
+                  f"compiled step loaded from disk); its peak RSS {rss / 2**20:.0f} MiB (the first "
+                  "process's below includes compiling)", flush=True)  # fmt: skip
             second.close()
         workers["hf"] = Worker("hf", directory, hf_dtype)
         tokens = {n: w.ask(op="generate", prompts=batch[:3], new=16)["tokens"] for n, w in workers.items()}

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import platform
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -139,7 +140,7 @@ def _inputs(cache: KVCache, device: torch.device) -> tuple[torch.Tensor, ...]:
 def _package(model: GPT, cache: KVCache, path: Path) -> None:
     """Export and AOT-compile the step into ``path`` (written to a temporary name, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))  # autotuning's results
+    _use_inductor_cache()
     tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
     start = time.perf_counter()
     with _progress(f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions; about a "
@@ -153,6 +154,14 @@ def _package(model: GPT, cache: KVCache, path: Path) -> None:
         finally:
             tmp.unlink(missing_ok=True)
     log.info("decode step compiled in %.1f s, kept in %s", time.perf_counter() - start, path)
+
+
+def _use_inductor_cache() -> None:
+    """Point inductor's own cache (autotuning's results, compiled kernels) into ours, if it can be made."""
+    directory = cache_dir() / "inductor"
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
 
 
 def _load(path: Path) -> Callable[..., torch.Tensor]:
@@ -173,9 +182,20 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
             log.warning("could not load %s (%s); compiling it again", path, e)
             path.unlink(missing_ok=True)
     if step is None:
-        _package(model, cache, path)
-        step = _load(path)
-    os.utime(path)  # last used: what a clean-up of the cache directory would go by
+        try:
+            _package(model, cache, path)
+        except OSError as e:  # the cache directory cannot be written: compile for this process alone
+            log.warning(
+                "could not keep the compiled step in %s (%s); compiling it for this process only (set "
+                "GPTGEN_CACHE_DIR to a writable directory to keep it)", path.parent, e,
+            )  # fmt: skip
+            with tempfile.TemporaryDirectory() as directory:
+                _package(model, cache, Path(directory) / path.name)
+                step = _load(Path(directory) / path.name)  # loading unpacks it: the file can go
+        else:
+            step = _load(path)
+    with contextlib.suppress(OSError):
+        os.utime(path)  # last used: what a clean-up of the cache directory would go by
 
     def run(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return step(tokens, positions, *cache.k, *cache.v)
@@ -185,7 +205,7 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
 
 def jit_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    _use_inductor_cache()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions=positions, cache=cache, last_only=True)[:, -1]

@@ -1,12 +1,24 @@
 """Eager kernel routes, chosen on the machine that runs them; ``model/`` itself only calls ``F.linear``.
 
-One route so far: fp32 products of the eager decode step on the CPU can run in oneDNN's inner product
-(``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead of
-``F.linear`` (MKL). On a 2-core AMD EPYC Zen 4, one row (batch 1), GPT-2 124M's products took: head
+Two routes, each a :class:`~torch.overrides.TorchFunctionMode` the runner enters around eager calls.
+
+**oneDNN for fp32 decode.** fp32 products of the eager decode step on the CPU can run in oneDNN's inner
+product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead
+of ``F.linear`` (MKL). On a 2-core AMD EPYC Zen 4, one row (batch 1), GPT-2 124M's products took: head
 (50257 x 768) MKL 12.0 ms, oneDNN 6.1 ms; 3072 x 768 0.18 vs 0.09 ms; 768 x 768 about equal. Whether it pays
 depends on the CPU and the row count, so :func:`onednn_pays` measures it for the model at hand when an
 eager engine is made. Like MKL's, oneDNN's sums for a row depend on how many rows the product has, not on
 the other rows' values, so rows stay bitwise independent within an engine either way.
+
+**fp32 for bf16 without native bf16.** On a CPU without AVX-512 bf16 or AMX, oneDNN emulates bf16 products
+and their time grows with the rows (measured before on a 2-core AMD EPYC Zen 3: GPT-2 124M's products 18 ms
+at 1 row, 118 ms at 8, 6.9 s at 512; computed in fp32 on upcast pieces of the weight, a 512-token prefill
+took 1.07 s instead of 5.07). :class:`UpcastBF16` runs bf16 products of at least ``min_rows`` rows in fp32
+on 8 MiB pieces of upcast weight (they stay in cache and the allocator reuses them) and rounds the result to
+bf16: the same fp32 sums in another order. :func:`upcast_min_rows` checks the capability and, where bf16 is
+emulated, measures from how many rows it pays. Rows in an engine stay bitwise independent (a step's row
+count is fixed), but an engine whose steps take this route and one whose steps do not give a row different
+bits.
 """
 
 from __future__ import annotations
@@ -50,6 +62,77 @@ class OneDNNLinear(TorchFunctionMode):
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return _onednn_linear(x, weight, bias)
         return func(*args, **kwargs)
+
+
+# fp32 bytes of weight upcast at a time: small enough to stay in cache and be reused by the allocator.
+UPCAST_CHUNK_BYTES = 8 * 2**20
+
+
+def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A bf16 product computed in fp32, ``UPCAST_CHUNK_BYTES`` of upcast weight rows at a time."""
+    x32 = x.float()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    step = max(1, UPCAST_CHUNK_BYTES // (4 * weight.shape[1]))
+    for a in range(0, weight.shape[0], step):
+        b = None if bias is None else bias[a : a + step].float()
+        out[..., a : a + step] = F.linear(x32, weight[a : a + step].float(), b)
+    return out
+
+
+class UpcastBF16(TorchFunctionMode):
+    """Within this mode, bf16 CPU ``F.linear`` calls of at least ``min_rows`` rows run in fp32 on upcast
+    pieces of the weight (see the module docstring); others are unchanged."""
+
+    def __init__(self, min_rows: int) -> None:
+        super().__init__()
+        self.min_rows = min_rows
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            if (
+                x.dtype == weight.dtype == torch.bfloat16
+                and x.device.type == "cpu"
+                and weight.dim() == 2
+                and x.numel() // max(x.shape[-1], 1) >= self.min_rows
+            ):
+                return _upcast_linear(x, weight, args[2] if len(args) > 2 else kwargs.get("bias"))
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def bf16_native() -> bool:
+    """Whether this CPU has native bf16 arithmetic for oneDNN (AVX-512 bf16 or AMX); checked once."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def upcast_min_rows(model: GPT, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> int | None:
+    """From how many rows bf16 products of this model run faster upcast to fp32, or None (never, or not a
+    bf16 CPU model, or a CPU with native bf16: not measured there). Measured on one block's MLP products
+    at ``candidates`` rows; the smallest row count from which upcasting won at every larger one."""
+    if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
+        return None
+    mlp = model.h[0].mlp
+    layers = [(getattr(m, "weight", None), m.bias) for m in (mlp.c_fc, mlp.c_proj)]
+    if any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w, _ in layers):
+        return None  # quantized layers: their own kernels
+    wins = []
+    with torch.inference_mode():
+        for rows in candidates:
+            plain = upcast = 0.0
+            for w, b in layers:
+                x = torch.randn(rows, w.shape[1], dtype=torch.bfloat16)
+                plain += _best_of(F.linear, x, w, b, repeat=2)
+                upcast += _best_of(_upcast_linear, x, w, b, repeat=2)
+            wins.append(upcast < 0.95 * plain)
+    for i, rows in enumerate(candidates):
+        if all(wins[i:]):
+            return rows
+    return None
 
 
 def _best_of(fn: Any, *args: torch.Tensor, repeat: int = 3) -> float:

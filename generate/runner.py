@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from generate.kernels import OneDNNLinear, onednn_pays
+from generate.kernels import OneDNNLinear, UpcastBF16, onednn_pays, upcast_min_rows
 from model import GPT, KVCache
 
 
@@ -28,12 +28,16 @@ class Runner:
         onednn: whether the eager decode step runs its fp32 products in oneDNN
             (:class:`generate.kernels.OneDNNLinear`); measured on this machine when the runner is made
             (:func:`generate.kernels.onednn_pays`).
+        upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
+            eager decode step), or None; measured on CPUs without native bf16
+            (:func:`generate.kernels.upcast_min_rows`).
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
         self.model, self.cache = model, cache
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_decode
         self.onednn = False
+        self.upcast_rows = upcast_min_rows(model)
         if compile:
             from generate.compiled import compile_step
 
@@ -41,17 +45,23 @@ class Runner:
         else:
             self.onednn = onednn_pays(model, cache.slots)
 
+    def _eager_routes(self, decode: bool) -> contextlib.AbstractContextManager:
+        if self.upcast_rows is not None:
+            return UpcastBF16(self.upcast_rows)
+        return OneDNNLinear() if decode and self.onednn else contextlib.nullcontext()
+
     def prefill(self, prompt: list[int], slot: int) -> torch.Tensor:
         """Write a prompt's keys and values into ``slot`` and return the last position's logits, (V,)."""
         device = self.model.device
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         positions = torch.arange(len(prompt), device=device)[None]
-        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=len(prompt),
-                            last_only=True)  # fmt: skip
+        with self._eager_routes(decode=False):
+            logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=len(prompt),
+                                last_only=True)  # fmt: skip
         return logits[0, -1]
 
     def _eager_decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with OneDNNLinear() if self.onednn else contextlib.nullcontext():
+        with self._eager_routes(decode=True):
             return self.model(tokens, positions=positions, cache=self.cache, last_only=True)[:, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,25 @@ def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
+def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
+    # Products of 2 rows or more in fp32 on upcast weights (generate/kernels.py): prefills and 3-row steps.
+    model = model_in("bfloat16")
+
+    def upcast_engine() -> Engine:
+        made = Engine(model, slots=3)
+        made.runner.upcast_rows = 2
+        return made
+
+    together = requests()
+    seen_together = run_and_record(upcast_engine(), together)
+    alone_engine = upcast_engine()
+    for r in together:
+        single = fresh(r)
+        alone = run_and_record(alone_engine, [single])[id(single)]
+        assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
+        assert all(torch.equal(a, b) for a, b in zip(alone, seen_together[id(r)], strict=True)), r.prompt
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body"])
 def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), slots=4, alone_slots=1):

@@ -102,3 +102,24 @@ def test_jit_step_compiles_once_and_matches_the_full_forward():
     seen = run_and_record(engine, requests)
     assert counters["stats"]["unique_graphs"] == graphs
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatch, caplog, tmp_path):
+    model, requests = model_and_requests()
+    Engine(model, slots=2, compile=True)
+    good = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))  # a directory that cannot be made
+
+    def package(model_, cache_, path_):  # the real one's first act, then the compile's product
+        path_.parent.mkdir(parents=True, exist_ok=True)
+        path_.write_bytes(good.read_bytes())
+
+    monkeypatch.setattr(compiled, "_package", package)
+    with caplog.at_level(logging.INFO, logger="gptgen"):
+        engine = Engine(model, slots=2, compile=True)
+    assert "compiling it for this process only" in caplog.text and "GPTGEN_CACHE_DIR" in caplog.text
+    assert not (blocker / "cache").exists()
+    seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_CONFIGS, make_model
-from generate.kernels import OneDNNLinear, onednn_available, onednn_pays
+from generate.kernels import OneDNNLinear, UpcastBF16, onednn_available, onednn_pays, upcast_min_rows
 from model.quant import quantize_int8
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -53,3 +53,34 @@ def test_only_fp32_cpu_models_are_measured():
     assert isinstance(onednn_pays(model, 2), bool)  # whichever is faster on this machine
     assert onednn_pays(model.to(torch.bfloat16), 2) is False
     assert onednn_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 2) is False
+
+
+@pytest.mark.parametrize("rows", [1, 5, 9])
+def test_upcast_products_equal_fp32_products_rounded_to_bf16(rows, monkeypatch):
+    import generate.kernels as kernels
+
+    monkeypatch.setattr(kernels, "UPCAST_CHUNK_BYTES", 4 * 48 * 7)  # 7 weight rows a piece: 14 pieces
+    torch.manual_seed(0)
+    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    w, b = torch.randn(96, 48, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
+        with UpcastBF16(min_rows=5):
+            got = F.linear(x, w, b)
+        plain = F.linear(x, w, b)
+    if rows >= 5:
+        assert got.dtype == torch.bfloat16 and (got.float() - want.float()).abs().max().item() <= 1e-2
+    else:
+        assert torch.equal(got, plain)  # below min_rows: F.linear itself
+
+
+def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):
+    import generate.kernels as kernels
+
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)
+    assert upcast_min_rows(model) is None
+    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
+    rows = upcast_min_rows(model, candidates=(1, 8))
+    assert rows in (None, 1, 8)  # whichever the measurement says here
+    assert upcast_min_rows(make_model(TINY_CONFIGS["5x3x48"], seed=1), candidates=(1, 8)) is None  # fp32

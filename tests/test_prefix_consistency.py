@@ -135,10 +135,15 @@ def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(ti
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
 
 
-def test_bf16_engine_tracks_full_forward_at_every_prefix(tiny_config):
+@pytest.mark.parametrize("upcast_rows", [None, 1], ids=["bf16", "upcast"])
+def test_bf16_engine_tracks_full_forward_at_every_prefix(tiny_config, upcast_rows):
+    # Both eager bf16 routes: oneDNN's bf16 products, and fp32 on upcast weights (what CPUs without native
+    # bf16 take, generate/kernels.py), whichever this machine would pick.
     model = make_model(tiny_config, seed=5, std=0.1).to(torch.bfloat16)
     requests = mixed_requests(tiny_config, 5)
-    seen = run_and_record(Engine(model, slots=3), requests)
+    engine = Engine(model, slots=3)
+    engine.runner.upcast_rows = upcast_rows
+    seen = run_and_record(engine, requests)
     assert_engine_matches_full_forward(model, requests, seen, BF16_TOL)
 
 
