@@ -114,6 +114,23 @@ def test_infinite_logits_are_reported_not_sampled():
         generate_ids(model, [[1, 2, 3]], max_new_tokens=3, sampling=SamplingParams(temperature=0.7), seed=0)
 
 
+def test_huge_finite_logits_whose_sum_overflows_are_sampled_not_refused():
+    # The finiteness check sums a row first: 3e38 + 3e38 is inf in fp32, yet every logit is finite.
+    from generate.engine import Engine
+    from generate.request import Request
+
+    config = TINY_CONFIGS["2x2x32"]
+    engine = Engine(make_model(config, seed=1), slots=1)
+    huge = torch.zeros(config.vocab_size)
+    huge[7], huge[9] = 3e38, 3.2e38
+    engine.runner.prefill = lambda prompt, slot: huge.clone()
+    engine.runner.decode = lambda tokens, positions: huge[None].clone()
+    request = engine.add(Request([1, 2], GREEDY, 3, eos_id=None))
+    for _ in engine.run():
+        pass
+    assert request.token_ids == [9, 9, 9] and request.finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("seed", "shown"), [(-1, "-1"), (2**64, str(2**64)), (1.5, "1.5"), ("7", "'7'"), (True, "True")]
 )
