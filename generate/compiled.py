@@ -1,31 +1,37 @@
 """The compiled decode step: one graph per engine shape, compiled ahead of time and kept on disk.
 
-On the CPU the step is exported (``torch.export``) and compiled by AOTInductor into a package in the user's
-cache (``$XDG_CACHE_HOME/gptgen/steps``), with ``freezing`` (the weights become constants, prepacked for the
-GEMM kernels) and ``max_autotune`` (inductor's C++ GEMM template or ATen, whichever measures faster here). The
-package's name is a digest of everything the compiled code depends on: the weights' bytes, the config, the
-dtype, the shapes, the source of ``model/`` and of this module, the torch version, the thread count and the
-CPU (model name and the instruction sets torch uses). A later process with the same key loads the package
-in seconds instead of compiling again. A package holds the weights twice (as loaded and prepacked): about
-1 GB for GPT-2 124M in fp32. Nothing removes old packages; delete the directory to reclaim the space.
+On the CPU the step is exported (``torch.export``) and compiled by AOTInductor (``aoti_compile_and_package``)
+with ``freezing`` (the weights become constants, prepacked for the GEMM kernels) and ``max_autotune``
+(inductor's C++ GEMM template or ATen, whichever measures faster here). The package's shared library, which
+holds the kernels and the weights, is kept in the user's cache (``$GPTGEN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/gptgen``, default ``~/.cache/gptgen``, under ``steps/``) and a later process maps it
+directly: its name is a digest of everything the compiled code depends on (the weights' bytes, the config,
+the dtype, the shapes, the source of ``model/`` and of this module, the torch version, the thread count and
+the CPU: model name, the instruction set torch dispatches to, native bf16). A library holds the weights
+twice (as given and prepacked): about 1 GB for GPT-2 124M in fp32. Nothing removes old ones; delete the
+directory to reclaim the space.
 
-Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1, medians; see the README): the packaged
-step ran in about 13 ms in fp32 (eager: 42 ms); inductor's just-in-time ``torch.compile`` with the same
-settings ran 19 ms, and without ``freezing`` 39-50 ms. On CUDA the step is ``torch.compile``'s
-``reduce-overhead`` (a CUDA graph), compiled in each process (inductor caches its kernels).
+Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1; the README has the benchmark): the
+compiled step ran 51-57 tok/s in fp32 (eager 33-35) and 99-108 in bf16 (eager 37-39); a first compile took
+50-60 s and about 15x the weights' bytes of memory. Inductor's just-in-time ``torch.compile`` with the same
+settings ran a step in 19 ms against AOTInductor's 13-17 ms, and without ``freezing`` 39-50 ms. On CUDA
+the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph), compiled in each process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -44,6 +50,33 @@ CPU_OPTIONS = {
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
 }
+
+
+# A compile's peak memory, measured as the compiling process's peak RSS (bench/bench.py, Zen 4): GPT-2 124M
+# fp32 7,172 MiB (weights 475 MiB), bf16 3,089 MiB (237), the shipped 19M model in fp32 1,477 MiB (74): about
+# 430 MiB plus 14x the weights in fp32 and 11x in bf16. Checked before compiling, with some margin.
+COMPILE_FIXED_BYTES = 512 * 2**20
+COMPILE_BYTES_PER_WEIGHT_BYTE = 15
+
+
+def check_compile_memory(model: GPT) -> None:
+    """Refuse to compile where the compile would run out of memory (see ``COMPILE_BYTES_PER_WEIGHT_BYTE``).
+
+    Raises:
+        MemoryError: naming what the compile needs, what is available and what to do instead.
+    """
+    from generate.engine import available_memory
+
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    needed = COMPILE_FIXED_BYTES + COMPILE_BYTES_PER_WEIGHT_BYTE * weights
+    free = available_memory(model.device)
+    if free is not None and needed > free:
+        raise MemoryError(
+            f"compiling the decode step needs about {needed / 2**30:.1f} GiB (measured: about "
+            f"{COMPILE_BYTES_PER_WEIGHT_BYTE}x the weights' {weights / 2**20:,.0f} MiB) but only "
+            f"{free / 2**30:.1f} GiB are available; generate without compiling (compile=False, no --compile) "
+            "or in a smaller dtype (bfloat16, int8)"
+        )
 
 
 def cache_dir() -> Path:
@@ -138,21 +171,30 @@ def _inputs(cache: KVCache, device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 def _package(model: GPT, cache: KVCache, path: Path) -> None:
-    """Export and AOT-compile the step into ``path`` (written to a temporary name, then renamed)."""
+    """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _use_inductor_cache()
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
     start = time.perf_counter()
     with _progress(f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions; about a "
                    "minute for GPT-2 124M, once per shape)"):  # fmt: skip
         with torch.no_grad():
             exported = torch.export.export(_Step(model), _inputs(cache, model.device))
-        try:
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work:
+            package = Path(work) / "step.pt2"
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                      inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            # The package is a zip holding one shared library (kernels and weights): keep that alone, so a
+            # later process maps it directly instead of unpacking the zip (fp32 GPT-2 124M: 950 MB) again.
+            with zipfile.ZipFile(package) as archive:
+                libraries = [name for name in archive.namelist() if name.endswith(".so")]
+                if len(libraries) != 1:
+                    raise RuntimeError(
+                        f"expected one shared library in the compiled package, found {libraries}"
+                    )
+                library = Path(work) / "step.so"
+                with archive.open(libraries[0]) as source, open(library, "wb") as target:
+                    shutil.copyfileobj(source, target, 16 * 2**20)
+            os.replace(library, path)
     log.info("decode step compiled in %.1f s, kept in %s", time.perf_counter() - start, path)
 
 
@@ -166,14 +208,19 @@ def _use_inductor_cache() -> None:
 
 def _load(path: Path) -> Callable[..., torch.Tensor]:
     start = time.perf_counter()
-    step = torch._inductor.aoti_load_package(str(path))
+    # What torch._inductor.aoti_load_package runs once it has unpacked a package: the library's runner.
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
     log.info("decode step loaded from %s in %.1f s", path, time.perf_counter() - start)
+
+    def step(*inputs: torch.Tensor) -> torch.Tensor:
+        return runner.run(list(inputs))[0]
+
     return step
 
 
 def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The CPU step: load its package from the cache directory, compiling it first if it is not there."""
-    path = cache_dir() / "steps" / f"{step_key(model, cache)}.pt2"
+    path = cache_dir() / "steps" / f"{step_key(model, cache)}.so"
     step = None
     if path.exists():
         try:
@@ -182,6 +229,7 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
             log.warning("could not load %s (%s); compiling it again", path, e)
             path.unlink(missing_ok=True)
     if step is None:
+        check_compile_memory(model)
         try:
             _package(model, cache, path)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
@@ -189,9 +237,11 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
                 "could not keep the compiled step in %s (%s); compiling it for this process only (set "
                 "GPTGEN_CACHE_DIR to a writable directory to keep it)", path.parent, e,
             )  # fmt: skip
-            with tempfile.TemporaryDirectory() as directory:
-                _package(model, cache, Path(directory) / path.name)
-                step = _load(Path(directory) / path.name)  # loading unpacks it: the file can go
+            # Keep the library's file until this process exits (the loaded library is mapped from it).
+            directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            _package(model, cache, directory / path.name)
+            step = _load(directory / path.name)
         else:
             step = _load(path)
     with contextlib.suppress(OSError):

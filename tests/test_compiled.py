@@ -31,7 +31,7 @@ def model_and_requests():
 def test_a_later_engine_loads_the_package_without_compiling(monkeypatch, caplog):
     model, requests = model_and_requests()
     Engine(model, slots=2, compile=True)  # compiled now, or loaded if an earlier test compiled it
-    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
+    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
     assert path.is_file()
 
     def refuse(*args):
@@ -48,9 +48,10 @@ def test_a_later_engine_loads_the_package_without_compiling(monkeypatch, caplog)
 def test_a_damaged_package_is_compiled_again(monkeypatch, caplog, tmp_path):
     model, requests = model_and_requests()
     Engine(model, slots=2, compile=True)
-    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
-    good = tmp_path / "good.pt2"
+    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
+    good = tmp_path / "good.so"
     good.write_bytes(path.read_bytes())
+    path.unlink()  # a new file: the loaded library (mapped by the engine above) keeps its own
     path.write_bytes(b"not a package")
     rebuilt = []
 
@@ -107,7 +108,7 @@ def test_jit_step_compiles_once_and_matches_the_full_forward():
 def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatch, caplog, tmp_path):
     model, requests = model_and_requests()
     Engine(model, slots=2, compile=True)
-    good = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.pt2"
+    good = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))  # a directory that cannot be made
