@@ -206,6 +206,22 @@ def _use_inductor_cache() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
 
 
+def _record(path: Path) -> None:
+    """Note the library's size beside it (``<key>.json``), written last: without it a library is damaged."""
+    record = path.with_suffix(".json")
+    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"size": path.stat().st_size, "torch": torch.__version__}))
+    os.replace(tmp, record)
+
+
+def _intact(path: Path) -> bool:
+    """Whether the library has its record and the size recorded there."""
+    try:
+        return json.loads(path.with_suffix(".json").read_text())["size"] == path.stat().st_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _load(path: Path) -> Callable[..., torch.Tensor]:
     start = time.perf_counter()
     # What torch._inductor.aoti_load_package runs once it has unpacked a package: the library's runner.
@@ -224,8 +240,10 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
     step = None
     if path.exists():
         try:
+            if not _intact(path):  # a truncated library can load and then fault when it runs
+                raise ValueError("its size differs from the one recorded when it was compiled")
             step = _load(path)
-        except Exception as e:  # a truncated or foreign file: compile it again
+        except Exception as e:  # a damaged or foreign file: compile it again
             log.warning("could not load %s (%s); compiling it again", path, e)
             path.unlink(missing_ok=True)
     if step is None:
@@ -243,6 +261,7 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
             _package(model, cache, directory / path.name)
             step = _load(directory / path.name)
         else:
+            _record(path)
             step = _load(path)
     with contextlib.suppress(OSError):
         os.utime(path)  # last used: what a clean-up of the cache directory would go by

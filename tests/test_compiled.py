@@ -7,6 +7,7 @@ engines at every prefix and alone versus batched.)
 
 import logging
 
+import pytest
 import torch
 from test_prefix_consistency import (
     FP32_TOL,
@@ -48,16 +49,20 @@ def test_a_later_engine_loads_the_package_without_compiling(monkeypatch, caplog)
 def test_a_damaged_package_is_compiled_again(monkeypatch, caplog, tmp_path):
     model, requests = model_and_requests()
     Engine(model, slots=2, compile=True)
-    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
-    good = tmp_path / "good.so"
-    good.write_bytes(path.read_bytes())
-    path.unlink()  # a new file: the loaded library (mapped by the engine above) keeps its own
-    path.write_bytes(b"not a package")
+    name = f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
+    good = (compiled.cache_dir() / "steps" / name).read_bytes()
+    # A fresh directory: the dynamic loader hands a process the library it already loaded from a path
+    # again, whatever the file there holds now, so the damaged file must be at a path not loaded before.
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "steps" / name
+    path.parent.mkdir()
+    path.write_bytes(good[: len(good) // 3])  # truncated, as by a full disk or a killed copy: it loads,
+    path.with_suffix(".json").write_text(f'{{"size": {len(good)}}}')  # then faults; its size tells
     rebuilt = []
 
-    def package(model_, cache_, path_):  # stands in for the minute-long compile: restores the good file
+    def package(model_, cache_, path_):  # stands in for the minute-long compile: writes a good library
         rebuilt.append(path_)
-        path_.write_bytes(good.read_bytes())
+        path_.write_bytes(good)
 
     monkeypatch.setattr(compiled, "_package", package)
     with caplog.at_level(logging.INFO, logger="gptgen"):
@@ -123,4 +128,29 @@ def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatc
     assert "compiling it for this process only" in caplog.text and "GPTGEN_CACHE_DIR" in caplog.text
     assert not (blocker / "cache").exists()
     seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+def test_a_compile_that_would_run_out_of_memory_is_refused_naming_the_figures(monkeypatch, tmp_path):
+    import generate.engine
+
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))  # nothing on disk: this engine would compile
+    monkeypatch.setattr(generate.engine, "available_memory", lambda device: 100 * 2**20)
+    model, _ = model_and_requests()
+    expected = (
+        r"compiling the decode step needs about 0\.5 GiB .* only 0\.1 GiB are available; generate without "
+        r"compiling \(compile=False, no --compile\)"
+    )
+    with pytest.raises(MemoryError, match=expected):
+        Engine(model, slots=2, compile=True)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_step_on_disk_loads_whatever_memory_a_compile_would_need(monkeypatch):
+    import generate.engine
+
+    model, requests = model_and_requests()
+    Engine(model, slots=2, compile=True)  # on disk now
+    monkeypatch.setattr(generate.engine, "available_memory", lambda device: 100 * 2**20)
+    seen = run_and_record(Engine(model, slots=2, compile=True), requests)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
