@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
+from generate.kernels import bf16_native
 from model import GPT, KVCache
 
 log = logging.getLogger("gptgen")
@@ -95,7 +96,7 @@ def cpu_signature() -> dict[str, object]:
     return {
         "cpu": name,
         "capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "bf16": bf16_native(),
         "threads": torch.get_num_threads(),
     }
 
@@ -206,9 +207,15 @@ def _use_inductor_cache() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
 
 
+def record_path(path: Path) -> Path:
+    """Where a library's size is recorded: ``<key>.record`` (not ``<key>.json``, a name AOTInductor's
+    runner reads itself, as the spec of kernels it runs outside the library)."""
+    return path.with_suffix(".record")
+
+
 def _record(path: Path) -> None:
-    """Note the library's size beside it (``<key>.json``), written last: without it a library is damaged."""
-    record = path.with_suffix(".json")
+    """Note the library's size beside it, written after it: without it a library is damaged."""
+    record = record_path(path)
     tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"size": path.stat().st_size, "torch": torch.__version__}))
     os.replace(tmp, record)
@@ -217,7 +224,7 @@ def _record(path: Path) -> None:
 def _intact(path: Path) -> bool:
     """Whether the library has its record and the size recorded there."""
     try:
-        return json.loads(path.with_suffix(".json").read_text())["size"] == path.stat().st_size
+        return json.loads(record_path(path).read_text())["size"] == path.stat().st_size
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -243,9 +250,8 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
             if not _intact(path):  # a truncated library can load and then fault when it runs
                 raise ValueError("its size differs from the one recorded when it was compiled")
             step = _load(path)
-        except Exception as e:  # a damaged or foreign file: compile it again
+        except Exception as e:  # a damaged or foreign file: compile it again (the new one replaces it)
             log.warning("could not load %s (%s); compiling it again", path, e)
-            path.unlink(missing_ok=True)
     if step is None:
         check_compile_memory(model)
         try:

@@ -53,7 +53,8 @@ def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int
     itemsize = torch.empty((), dtype=dtype).element_size()
     cache = KVCache.bytes_per_token(config, dtype) * slots * cache_len
     per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
-    prefill = prompt_len * (4 * config.inner_dim * itemsize + config.n_head * prompt_len * 4)
+    # (the cached attention holds three fp32 (n_head, T, T) tensors at its peak: scores, masked, softmax)
+    prefill = prompt_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * prompt_len * 4)
     return cache + per_row_vocab + prefill
 
 

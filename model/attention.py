@@ -140,9 +140,12 @@ class CausalAttention(nn.Module):
         keys = torch.arange(span, device=x.device)
         blocked = keys > positions[:, None, :, None]  # (B, 1, T, span): key position > query position
         # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
-        # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). Scores and softmax in
-        # fp32 whatever the dtype, as SDPA's kernels keep them.
-        scores = (q @ k_buf[:, :, :span].transpose(-2, -1)).float() * (1.0 / math.sqrt(self.head_dim))
+        # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). The scores are
+        # computed in the model's dtype from a query scaled first (so fp16 does not overflow where the
+        # unscaled product would), then the mask and softmax in fp32. In bf16 and fp16 the scores are thus
+        # rounded once more than in SDPA's kernels, which keep them in fp32.
+        q = q * (1.0 / math.sqrt(self.head_dim))
+        scores = (q @ k_buf[:, :, :span].transpose(-2, -1)).float()
         weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)  # (B, nh, T, span)
         y = weights.to(v_buf.dtype) @ v_buf[:, :, :span]  # (B, nh, T, hs)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))

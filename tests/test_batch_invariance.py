@@ -13,9 +13,14 @@ from test_prefix_consistency import run_and_record
 
 from conftest import TINY_CONFIGS, make_model
 from generate.engine import Engine
+from generate.kernels import onednn_available
 from generate.request import Request
 from generate.sampling import SamplingParams
 from model.quant import quantize_int8
+
+# The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
+ROUTES = [False, pytest.param(True, marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))]
+
 
 CONFIG = TINY_CONFIGS["5x3x48"]
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2)
@@ -77,7 +82,7 @@ def test_a_request_alone_equals_it_beside_others_in_the_same_engine_bitwise(dtyp
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
+@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
 def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
     for r, single, together, alone in alone_and_together(model_in("float32"), 3, 3, onednn=onednn):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
@@ -110,7 +115,7 @@ def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
+@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
 def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5(onednn):
     for r, single, together, alone in alone_and_together(model_in("float32"), 4, 1, onednn=onednn):
         assert single.token_ids == r.token_ids

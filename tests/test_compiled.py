@@ -57,7 +57,7 @@ def test_a_damaged_package_is_compiled_again(monkeypatch, caplog, tmp_path):
     path = tmp_path / "steps" / name
     path.parent.mkdir()
     path.write_bytes(good[: len(good) // 3])  # truncated, as by a full disk or a killed copy: it loads,
-    path.with_suffix(".json").write_text(f'{{"size": {len(good)}}}')  # then faults; its size tells
+    compiled.record_path(path).write_text(f'{{"size": {len(good)}}}')  # then faults; its size tells
     rebuilt = []
 
     def package(model_, cache_, path_):  # stands in for the minute-long compile: writes a good library
@@ -82,8 +82,7 @@ def test_the_key_changes_with_weights_dtype_shape_and_threads(monkeypatch):
     assert compiled.step_key(other, KVCache(CONFIG, 2, 64)) != key
     assert compiled.step_key(model, KVCache(CONFIG, 4, 64)) != key
     assert compiled.step_key(model, KVCache(CONFIG, 2, 32)) != key
-    half = model.to(torch.bfloat16)
-    assert compiled.step_key(half, KVCache(CONFIG, 2, 64, dtype=torch.bfloat16)) != key
+    assert compiled.step_key(model, KVCache(CONFIG, 2, 64, dtype=torch.bfloat16)) != key  # the dtype alone
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
     assert compiled.step_key(make_model(CONFIG, seed=6, std=0.3), KVCache(CONFIG, 2, 64)) != key
 

@@ -84,3 +84,24 @@ def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):
     rows = upcast_min_rows(model, candidates=(1, 8))
     assert rows in (None, 1, 8)  # whichever the measurement says here
     assert upcast_min_rows(make_model(TINY_CONFIGS["5x3x48"], seed=1), candidates=(1, 8)) is None  # fp32
+
+
+@needs_onednn
+def test_the_mode_routes_a_model_forward_through_onednn(monkeypatch):
+    # On tiny shapes oneDNN and F.linear can agree bitwise, so equal outputs alone would not show the route.
+    import generate.kernels as kernels
+
+    calls = []
+    real = kernels._onednn_linear
+
+    def spy(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(kernels, "_onednn_linear", spy)
+    config = TINY_CONFIGS["5x3x48"]
+    model = make_model(config, seed=1)
+    with torch.inference_mode(), OneDNNLinear():
+        model(torch.randint(0, config.vocab_size, (2, 5)))
+    assert len(calls) == 4 * config.n_layer + 1  # qkv, attention out, MLP in and out per block, the head
+    assert calls[-1] == (config.vocab_size, config.n_embd)

@@ -16,8 +16,13 @@ import torch
 
 from conftest import TINY_CONFIGS, cached_logits, make_model
 from generate.engine import Engine
+from generate.kernels import onednn_available
 from generate.request import Request
 from generate.sampling import SamplingParams
+
+# The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
+ROUTES = [False, pytest.param(True, marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))]
+
 
 FP32_TOL = 1e-5
 BF16_TOL = 0.08
@@ -123,7 +128,7 @@ def mixed_requests(config, seed, count=6):
     return out
 
 
-@pytest.mark.parametrize("onednn", [False, True], ids=["aten", "onednn"])
+@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed, onednn):
     # Both eager fp32 routes (F.linear, oneDNN: generate/kernels.py), whichever this machine would pick.
