@@ -49,20 +49,19 @@ def fresh(r: Request) -> Request:
     return Request(r.prompt, r.sampling, r.max_new_tokens, seed=r.seed, eos_id=None, logprobs=True)
 
 
-def engine(model, slots: int, compile: bool = False, onednn: bool | None = None) -> Engine:
-    """An engine; ``onednn`` forces the eager fp32 route (else it is what was measured here)."""
+def engine(model, slots: int, compile: bool = False, **routes) -> Engine:
+    """An engine; ``routes`` force eager kernel routes on its runner (``onednn=``, ``upcast_rows=``), else
+    they are what was measured here."""
     made = Engine(model, slots=slots, compile=compile)
-    if onednn is not None:
-        made.runner.onednn = onednn
+    for name, value in routes.items():
+        setattr(made.runner, name, value)
     return made
 
 
-def alone_and_together(
-    model, slots: int, alone_slots: int, compile: bool = False, onednn: bool | None = None
-):
+def alone_and_together(model, slots: int, alone_slots: int, compile: bool = False, **routes):
     together = requests()
-    seen_together = run_and_record(engine(model, slots, compile, onednn), together)
-    alone_engine = engine(model, alone_slots, compile, onednn)
+    seen_together = run_and_record(engine(model, slots, compile, **routes), together)
+    alone_engine = engine(model, alone_slots, compile, **routes)
     results = []
     for r in together:
         single = fresh(r)
@@ -91,21 +90,9 @@ def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
 
 def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
     # Products of 2 rows or more in fp32 on upcast weights (generate/kernels.py): prefills and 3-row steps.
-    model = model_in("bfloat16")
-
-    def upcast_engine() -> Engine:
-        made = Engine(model, slots=3)
-        made.runner.upcast_rows = 2
-        return made
-
-    together = requests()
-    seen_together = run_and_record(upcast_engine(), together)
-    alone_engine = upcast_engine()
-    for r in together:
-        single = fresh(r)
-        alone = run_and_record(alone_engine, [single])[id(single)]
+    for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, upcast_rows=2):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
-        assert all(torch.equal(a, b) for a, b in zip(alone, seen_together[id(r)], strict=True)), r.prompt
+        assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body"])
