@@ -61,9 +61,9 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command's argument parser."""
-    p = _Parser(prog="generate", description=DESCRIPTION, epilog=EXAMPLES,
+def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
+    """The command's argument parser (``prog``: its name in messages, ``gptgen generate`` as a subcommand)."""
+    p = _Parser(prog=prog, description=DESCRIPTION, epilog=EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("prompt", nargs="?", default="-", help="text to continue ('-' or absent: read stdin)")
     p.add_argument(
@@ -279,11 +279,11 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
     _run(gen, [prompt for _, prompt in prompts], args, out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "generate") -> int:
     """Run the command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     out = _Output()
     try:
-        parser = build_parser()
+        parser = build_parser(prog)
         _generate(parser.parse_args(argv), parser, out)
     except KeyboardInterrupt:
         if out.partial:  # end a streamed line; a JSON or finished line is left whole
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        print(f"generate: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     return 0
 

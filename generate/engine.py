@@ -83,6 +83,11 @@ class Engine:
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled (see :class:`generate.runner.Runner`).
 
+    Attributes:
+        fail_fast: True (default): a request whose logits are not finite makes :meth:`step` raise
+            :class:`GenerationError`. False (a server): that request alone finishes with ``"error"`` (its
+            ``error`` says why) and the step goes on for the others.
+
     Raises:
         ValueError: for a slot count or ``max_len`` out of range.
         MemoryError: if the cache and working memory exceed what the device has free (checked first).
@@ -116,6 +121,7 @@ class Engine:
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
         self._generators: dict[int, torch.Generator] = {}  # id(request) -> its generator, until it runs
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
+        self.fail_fast = True
 
     @property
     def slots(self) -> int:
@@ -202,10 +208,13 @@ class Engine:
             # isfinite().all()); a sum that overflowed is checked exactly.
             if not math.isfinite(float(row.sum())) and not torch.isfinite(row).all():
                 self._free(slot)
-                raise GenerationError(
-                    "the model produced NaN or infinite logits; the checkpoint may be corrupt, or float16 "
-                    "overflowed (try dtype='float32' or 'bfloat16')"
-                )
+                message = ("the model produced NaN or infinite logits; the checkpoint may be corrupt, or "
+                           "float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
+                if self.fail_fast:
+                    raise GenerationError(message)
+                request.error = message
+                request.finish("error")
+                continue
             generator, seen, counts = self._state[slot]
             token, logprob, top = sample_row(row, request.sampling, generator, seen, counts,
                                              logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip

@@ -80,7 +80,7 @@ class Request:
         stop: strings that end the request when its text contains one (needs the engine's tokenizer).
         logprobs: record each chosen token's log-probability under the model's own distribution.
         top_logprobs: also record that many most likely alternatives at each step (id -> log-probability).
-        token_ids, logprobs_list, top_list, finish_reason, text: the results so far.
+        token_ids, logprobs_list, top_list, finish_reason, text, error: the results so far.
     """
 
     prompt: list[int]
@@ -96,6 +96,7 @@ class Request:
     top_list: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length" (budget or window)
     text: TextTracker | None = None
+    error: str | None = None  # why the engine ended it, with finish_reason "error"
 
     def __post_init__(self) -> None:
         self.prompt = list(self.prompt)
@@ -117,6 +118,7 @@ class Request:
     def start(self, device: torch.device, token_bytes: Callable[[int], bytes] | None) -> torch.Generator:
         """Reset the results (a request can be run again) and return its seeded generator."""
         self.token_ids, self.logprobs_list, self.top_list, self.finish_reason = [], [], [], None
+        self.error = None
         if token_bytes is not None:
             self.text = TextTracker(token_bytes, self.stop)
         elif self.stop:

@@ -149,3 +149,57 @@ def test_numpy_integers_are_accepted_as_seeds_and_sizes():
                      sampling=SamplingParams(top_k=np.int64(5)))  # fmt: skip
     b = generate_ids(model, [[1, 2]], max_new_tokens=4, seed=3, sampling=SamplingParams(top_k=5))
     assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 4
+
+
+def model_with_nan_at_position(position):
+    """A model whose position embedding at ``position`` is NaN: only a sequence reaching it is hit."""
+    model = make_model(TINY_CONFIGS["2x2x32"], seed=5, std=0.3)
+    with torch.no_grad():
+        model.wpe.weight[position, 0] = float("nan")
+    return model
+
+
+def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_go_on():
+    from generate.engine import Engine
+    from generate.request import Request
+
+    model = model_with_nan_at_position(10)
+    seeded = SamplingParams(temperature=1.0, top_k=30)
+    in_decode, sampled, in_prefill, after = random_prompts(211, [8, 3, 12, 4], 5)
+    requests = [
+        Request(in_decode, GREEDY, 6, eos_id=None),  # reaches position 10 at its fourth token
+        Request(sampled, seeded, 6, seed=9, eos_id=None),  # positions 0..8 only
+        Request(in_prefill, GREEDY, 6, eos_id=None),  # its prompt covers position 10
+        Request(after, GREEDY, 6, eos_id=None),  # joins a slot a failed request left
+    ]
+    engine = Engine(model, slots=2)
+    engine.fail_fast = False
+    for r in requests:
+        engine.add(r)
+    events = [e for step in engine.run() for e in step]
+    hit, ok, hit_at_once, later = requests
+    assert (hit.finish_reason, hit_at_once.finish_reason) == ("error", "error")
+    assert "NaN or infinite logits" in hit.error and hit.error == hit_at_once.error
+    assert hit.token_ids == greedy_by_recomputation(model, in_decode, 3)  # the three before position 10
+    assert hit_at_once.token_ids == []
+    assert [t for r, t in events if r is hit] == hit.token_ids  # no event for the failed step
+    alone = generate_ids(model, [sampled], max_new_tokens=6, sampling=seeded, seed=9, eos_id=None)[0]
+    assert (ok.token_ids, ok.finish_reason, ok.error) == (alone.token_ids, "length", None)
+    assert later.token_ids == greedy_by_recomputation(model, after, 6) and later.finish_reason == "length"
+    assert later.error is None and not engine.has_work
+    engine.add(hit)  # a request run again starts clean
+    assert (hit.error, hit.finish_reason, hit.token_ids) == (None, None, [])
+
+
+def test_fail_fast_is_the_default_and_raises():
+    from generate.engine import Engine
+    from generate.request import Request
+
+    model = model_with_nan_at_position(10)
+    engine = Engine(model, slots=2)
+    assert engine.fail_fast is True
+    engine.add(Request([1, 2, 3], GREEDY, 6, eos_id=None))
+    engine.add(Request([4] * 9, GREEDY, 6, eos_id=None))  # its third step feeds position 10
+    with pytest.raises(GenerationError, match="NaN or infinite logits"):
+        for _ in engine.run():
+            pass

@@ -1,0 +1,227 @@
+"""The server's engine loop: one engine, stepped in the process's main thread, fed and drained from asyncio.
+
+Every torch call of the server runs in one thread, the main one (loading, compiling, steps, prompt
+logprobs): torch's OpenMP pool is per calling thread, and a second thread's pool on a small machine makes
+libgomp throttle its spinning for all of them. On 2 Zen 4 cores the shipped model's 4-slot step took 13 ms
+in the main thread alone and 17-22 ms once a second thread had run torch. The HTTP server (asyncio, in
+another thread) hands requests over at any time; they join the engine only between steps. After each step
+every request that moved gets an :class:`Update` on its own asyncio queue: its new tokens, their
+log-probabilities, the text now settled, and, at the end, why it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from generate.engine import Engine
+from generate.request import Request
+
+log = logging.getLogger("gptgen.server")
+
+
+class QueueFull(Exception):
+    """More requests are waiting for a slot than the server's ``--max-queue`` allows."""
+
+
+@dataclass
+class Update:
+    """What one step gave one request (``index`` is its place among its HTTP request's choices)."""
+
+    index: int
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[dict[int, float]]
+    text: str
+    finish_reason: str | None = None  # set on the request's last update
+    error: str | None = None
+
+
+@dataclass
+class Metrics:
+    """Counters for ``/metrics`` (Prometheus text)."""
+
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)  # (endpoint, status) -> count
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cancelled: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+
+    def count(self, endpoint: str, status: int) -> None:
+        """Count one answered HTTP request."""
+        self.requests[endpoint, status] = self.requests.get((endpoint, status), 0) + 1
+
+
+@dataclass
+class _Sink:
+    """Where a request's updates go: an asyncio queue, filled from the engine's thread."""
+
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    index: int
+    sent: int = 0
+
+    def put(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+
+class EngineLoop:
+    """Owns the engine: queues requests, steps while there is work, hands each step's results out.
+
+    :meth:`run` is the loop (call it in the thread that loaded the model); :meth:`submit`, :meth:`cancel`,
+    :meth:`call` and :meth:`close` are called from the asyncio thread.
+
+    Args:
+        engine: the engine (its ``fail_fast`` is turned off: a request with bad logits fails alone).
+        max_queue: the most requests waiting for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int) -> None:
+        engine.fail_fast = False
+        self.engine, self.max_queue = engine, max_queue
+        self.metrics = Metrics()
+        self._lock = threading.Condition()
+        self._incoming: list[tuple[Request, _Sink]] = []
+        self._cancels: list[Request] = []
+        self._calls: list[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = []
+        self._active: dict[int, tuple[Request, _Sink]] = {}  # id(request) -> (request, sink)
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._incoming) + len(self.engine.waiting)
+
+    @property
+    def busy(self) -> int:
+        """Slots running a request."""
+        return len(self.engine.running)
+
+    def submit(self, requests: list[Request]) -> asyncio.Queue:
+        """Queue an HTTP request's engine requests; their updates arrive on the returned queue.
+
+        Raises:
+            QueueFull: if they would take the waiting queue past ``max_queue``, or the server is stopping.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            if self.queued + len(requests) > self.max_queue:
+                raise QueueFull(
+                    f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
+                    f"slots, limit {self.max_queue}); retry later"
+                )
+            self._incoming += [(r, _Sink(queue, loop, i)) for i, r in enumerate(requests)]
+            self._lock.notify()
+        return queue
+
+    def cancel(self, requests: list[Request]) -> None:
+        """Stop requests (a client went away); their slots free before the next step."""
+        with self._lock:
+            self._cancels += requests
+            self._lock.notify()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the engine's thread between steps (e.g. a forward pass for prompt logprobs)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, future, loop))
+            self._lock.notify()
+        return await future
+
+    def close(self) -> None:
+        """Cancel everything still queued or running; :meth:`run` then returns."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+
+    def run(self) -> None:
+        """Step while there is work, wait when there is none, until :meth:`close`."""
+        while True:
+            with self._lock:
+                while not (
+                    self._incoming or self._cancels or self._calls or self._closed or self.engine.has_work
+                ):
+                    self._lock.wait(0.5)  # (a timeout keeps signal handlers running in the main thread)
+                if self._closed:
+                    self._cancels += [r for r, _ in self._incoming] + [r for r, _ in self._active.values()]
+                incoming, cancels, calls = self._incoming, self._cancels, self._calls
+                self._incoming, self._cancels, self._calls = [], [], []
+            for fn, future, loop in calls:
+                self._answer(fn, future, loop)
+            self._apply(incoming, cancels)
+            if self._closed and not self.engine.has_work:
+                return
+            if self.engine.has_work:
+                self._step()
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.engine.step()
+        except Exception as e:  # an engine fault fails what runs, never the server
+            log.exception("engine step failed")
+            for request, _ in list(self._active.values()):
+                if not request.done:
+                    self.engine.cancel(request)
+                request.error, request.finish_reason = f"the engine failed: {e}", "error"
+        self.metrics.steps += 1
+        self.metrics.step_seconds += time.perf_counter() - start
+        self._dispatch()
+
+    @staticmethod
+    def _answer(fn: Callable[[], Any], future: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        def settle(ok: bool, value: Any) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        try:
+            result = (True, fn())
+        except Exception as e:
+            result = (False, e)
+        loop.call_soon_threadsafe(settle, *result)
+
+    def _apply(self, incoming: list[tuple[Request, _Sink]], cancels: list[Request]) -> None:
+        """Drop cancelled requests and join new ones (between steps only)."""
+        cancelled = {id(r) for r in cancels}
+        for request in cancels:
+            if id(request) in self._active and not request.done:
+                self.engine.cancel(request)
+                self.metrics.cancelled += 1
+            self._active.pop(id(request), None)
+        for request, sink in incoming:
+            if id(request) in cancelled:
+                continue
+            self._active[id(request)] = (request, sink)
+            self.metrics.prompt_tokens += len(request.prompt)
+            try:
+                self.engine.add(request)
+            except ValueError as e:  # checked before submit; kept so a slip fails one request only
+                request.error = str(e)
+                request.finish("error")
+        if incoming:
+            self._dispatch()  # requests that finished on joining (max_tokens 0, or refused)
+
+    def _dispatch(self) -> None:
+        for key, (request, sink) in list(self._active.items()):
+            new = request.token_ids[sink.sent :]
+            if not new and not request.done:
+                continue
+            top = request.top_list[sink.sent :] if request.top_logprobs else [{} for _ in new]
+            text = request.text.take(final=request.done) if request.text is not None else ""
+            update = Update(sink.index, new, request.logprobs_list[sink.sent :], top, text)
+            self.metrics.generated_tokens += len(new)
+            sink.sent = len(request.token_ids)
+            if request.done:
+                update.finish_reason, update.error = request.finish_reason, request.error
+                del self._active[key]
+            sink.put(update)

@@ -1,0 +1,42 @@
+"""The ``gptgen`` command: the toolkit's tools as subcommands.
+
+``gptgen generate`` is the ``generate`` command (same options); ``gptgen serve`` runs the OpenAI-compatible
+server. Each subcommand's module is imported only when it runs, so ``gptgen --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "generate": ("generate.cli", "continue a prompt (the generate command)"),
+    "serve": ("generate.serve", "serve a model over OpenAI's HTTP API"),
+}
+USAGE = (
+    "usage: gptgen COMMAND [options]   (gptgen COMMAND --help for a command's options)\n\ncommands:\n"
+    + "".join(f"  {name:<10} {about}\n" for name, (_, about) in COMMANDS.items())
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; returns its exit status (2 for an unknown or missing command)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(
+            f"gptgen: error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr
+        )
+        return 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[name][0])
+    if name == "generate":
+        return module.main(rest, prog="gptgen generate")
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""``gptgen serve``: an OpenAI-compatible server for a checkpoint (see :mod:`generate.server`).
+
+It binds its socket first and says where it listens, then loads (and with ``--compile`` compiles) the model;
+``GET /health`` answers 503 until that is done. The model loads and runs in the main thread, HTTP is served
+from another (see :mod:`generate.engine_loop`). SIGINT or SIGTERM stop it cleanly: no new connections,
+running requests get ``--shutdown-timeout`` seconds to finish, then the rest are cancelled; the exit status
+is 0. Only the standard library is imported before the arguments are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any, NoReturn
+
+DEFAULT_CHECKPOINT = "shakespeare"
+PROG = "gptgen serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser."""
+    p = _Parser(
+        prog=PROG,
+        description="Serve a GPT-2-family checkpoint over OpenAI's HTTP API "
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+    )
+    p.add_argument(
+        "--checkpoint",
+        "-c",
+        default=DEFAULT_CHECKPOINT,
+        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
+    )
+    p.add_argument("--model-name", help="the model id clients ask for (default: the checkpoint's name)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "int8", "int8-body"],
+        help="weights and compute (default float32)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step at start (kept on disk: later starts load it in seconds)",
+    )
+    p.add_argument("--max-slots", type=int, default=8, help="requests generated at once (default 8)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for a slot before new ones get 429 (default 256)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("GPTGEN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $GPTGEN_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM (default 10)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    if not 1 <= args.max_slots <= 4096:
+        parser.error(f"--max-slots must be in 1..4096, got {args.max_slots}")
+    if args.max_queue < 0:
+        parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.shutdown_timeout <= 3600:
+        parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key is empty; give a key, or leave it out")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise OSError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port"
+        ) from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 on error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    logging.basicConfig(format="gptgen serve: %(message)s", level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        import uvicorn
+    except ImportError:
+        print(
+            "gptgen serve: error: the server needs its extra; install it with pip install -e '.[server]'",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"gptgen serve: error: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint)) or args.checkpoint
+    print(
+        f"gptgen serve: listening on http://{host}:{port} (model {name!r} loading)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.api_key is None and not _loopback(args.host):
+        print(
+            f"gptgen serve: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
+            "port can use the model",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _serve(args, sock, name, uvicorn)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: Any) -> int:
+    """HTTP in a thread, the model in this one (see :mod:`generate.engine_loop` for why)."""
+    from generate.server import Settings, build_app
+
+    app = build_app(Settings(name, max_queue=args.max_queue, api_key=args.api_key))
+    state = app.state.gptgen
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_config=None,
+    )
+    server = uvicorn.Server(config)  # (outside the main thread it leaves signals alone)
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            if state.loop is not None:
+                state.loop.close()
+
+    def stop(signum: int, frame: object) -> None:
+        server.should_exit = True
+        if state.loop is not None:  # loaded: the HTTP side shuts down gracefully, then closes the loop
+            return
+        raise KeyboardInterrupt  # loading or compiling: abandon it
+
+    thread = threading.Thread(target=http, name="gptgen-http")
+    thread.start()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        from generate.api import load
+
+        if args.compile:
+            logging.getLogger("gptgen").info("compiling the decode step (%d slots)", args.max_slots)
+        gen = load(args.checkpoint, device=args.device, dtype=args.dtype, compile=args.compile)
+        loop = state.attach(gen, gen.engine(args.max_slots, gen.model.config.n_positions))
+    except KeyboardInterrupt:
+        thread.join()
+        return 0
+    except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
+        print(f"gptgen serve: error: {e}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        thread.join()
+        return 1
+    if thread.is_alive():
+        loop.run()
+    thread.join()
+    return 0

@@ -1,0 +1,128 @@
+"""The ``gptgen`` command: its subcommands, in process through ``generate.gptgen.main`` and as a module."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from generate import cli, gptgen
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY_ARGS = ["To be", "-n", "3", "--seed", "1", "-t", "0"]
+
+
+def run_gptgen(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "generate.gptgen", *args],
+        cwd=ROOT,
+        env=env,
+        input=b"",
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_command_and_exits_0(flag, capsys):
+    assert gptgen.main([flag]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: gptgen COMMAND")
+    assert "\n  generate " in captured.out and "\n  serve " in captured.out
+    assert captured.err == ""
+
+
+def test_no_command_prints_the_usage_to_stderr_and_exits_2(capsys):
+    assert gptgen.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: gptgen COMMAND") and "serve" in captured.err
+
+
+def test_an_unknown_command_exits_2_with_one_line_naming_it(capsys):
+    assert gptgen.main(["genrate", "Hello"]) == 2
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert line == "gptgen: error: unknown command 'genrate'; choose one of generate, serve"
+    assert captured.out == ""
+
+
+def test_the_module_runs_as_a_command_with_its_exit_codes():
+    helped, bare, unknown = run_gptgen("--help"), run_gptgen(), run_gptgen("train")
+    assert helped.returncode == 0 and b"generate" in helped.stdout and b"serve" in helped.stdout
+    assert bare.returncode == 2 and bare.stdout == b"" and b"usage: gptgen" in bare.stderr
+    assert unknown.returncode == 2 and unknown.stdout == b""
+    assert "unknown command 'train'" in one_line(unknown.stderr.decode())
+
+
+def test_help_imports_no_torch():
+    # The docstring promises an instant --help: no subcommand module (and so no torch) is imported.
+    code = (
+        "import sys; from generate import gptgen; assert gptgen.main(['--help']) == 0; "
+        "assert 'torch' not in sys.modules and 'generate.cli' not in sys.modules, 'imported too much'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+
+
+def test_generate_help_names_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: gptgen generate ")
+    assert "--max-new-tokens" in out
+
+
+def test_generate_usage_errors_name_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main(["generate", "Hi", "--bogus"])
+    assert exit_info.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("gptgen generate: error: unrecognized arguments: --bogus")
+
+
+def test_generate_prints_what_the_generate_command_prints(capsys):
+    assert cli.main(GREEDY_ARGS) == 0
+    expected = capsys.readouterr()
+    assert gptgen.main(["generate", *GREEDY_ARGS]) == 0
+    got = capsys.readouterr()
+    assert expected.out.strip()  # three tokens of text, then a newline
+    assert (got.out, got.err) == (expected.out, expected.err)
+    result = run_gptgen("generate", *GREEDY_ARGS)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode() == expected.out
+
+
+@pytest.mark.parametrize(
+    ("args", "mentions"),
+    [
+        (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+        (["--max-slots", "0"], "--max-slots must be in 1..4096, got 0"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0, got -1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_serve_usage_errors_exit_2_with_one_line(args, mentions, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main(["serve", *args])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    line = one_line(captured.err)
+    assert line.startswith("gptgen serve: error: ") and mentions in line
+    assert captured.out == ""
+
+
+def test_serve_usage_error_in_a_subprocess():
+    result = run_gptgen("serve", "--port", "70000")
+    assert result.returncode == 2 and result.stdout == b""
+    assert "--port must be in 0..65535, got 70000" in one_line(result.stderr.decode())

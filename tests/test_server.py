@@ -1,0 +1,385 @@
+"""The OpenAI-compatible server, tested as a client sees it: a real `gptgen serve` in a subprocess on
+127.0.0.1 (the shipped model), the official `openai` client, and raw HTTP for what the client will not send.
+
+Every result is compared with the offline API (`generate.load(...).generate`) on the same request: greedy
+and seeded requests give the same tokens over HTTP, whatever else runs (the engine's batch invariance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import checkpoints
+import generate
+from conftest import make_model
+from generate.openai_api import render_chat
+from model import GPTConfig
+
+SLOTS = 4
+
+
+class Server:
+    """A `gptgen serve` subprocess; its stderr lines are collected in a thread."""
+
+    def __init__(self, *args: str) -> None:
+        command = [sys.executable, "-m", "generate.gptgen", "serve", "--port", "0", *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        first = self.proc.stderr.readline()
+        match = re.search(r"listening on (http://\S+)", first)
+        assert match, first
+        self.url = match.group(1)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "".join(self.lines)
+            if httpx.get(self.url + "/health").status_code == 200:
+                return
+            time.sleep(0.2)
+        raise TimeoutError("the server did not get ready")
+
+    def logged(self, text: str, timeout: float = 5) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^gptgen_{name} (\S+)$", text, re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-slots", str(SLOTS), "--max-queue", "512")
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, "".join(s.lines)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return generate.load("shakespeare")
+
+
+def test_health_models_and_the_log(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["shakespeare"]
+    assert server.logged("GET /v1/models 200")
+
+
+def test_a_greedy_completion_equals_the_offline_api(client, offline):
+    got = client.completions.create(
+        model="shakespeare", prompt="To be, or not to be", max_tokens=24, temperature=0
+    )
+    want = offline.generate("To be, or not to be", max_new_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == want.prompt_tokens == 7
+    assert got.usage.completion_tokens == len(want.token_ids) and got.usage.total_tokens == 7 + len(
+        want.token_ids
+    )
+    assert got.object == "text_completion" and got.id.startswith("cmpl-")
+
+
+SAMPLED = dict(temperature=0.9, top_p=0.9, presence_penalty=0.5, seed=7)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0), SAMPLED], ids=["greedy", "seeded"])
+def test_streamed_text_equals_the_whole_text_and_the_offline_api(client, offline, options):
+    whole = client.completions.create(model="shakespeare", prompt="Once upon", max_tokens=40, **options)
+    stream = client.completions.create(
+        model="shakespeare", prompt="Once upon", max_tokens=40, stream=True, **options
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    offline_options = {k: v for k, v in options.items() if k != "seed"}
+    want = offline.generate("Once upon", max_new_tokens=40, seed=options.get("seed"), **offline_options)
+    assert whole.choices[0].text == want.text
+
+
+def test_a_seeded_request_repeated_gives_the_same_text(client):
+    texts = {
+        client.completions.create(model="shakespeare", prompt="The king", max_tokens=30, **SAMPLED)
+        .choices[0]
+        .text
+        for _ in range(3)
+    }
+    assert len(texts) == 1
+
+
+def test_chat_equals_the_offline_api_on_the_template(client, offline):
+    messages = [
+        {"role": "system", "content": "Speak as a king."},
+        {"role": "user", "content": "Who art thou?"},
+    ]
+    got = client.chat.completions.create(model="shakespeare", messages=messages, max_tokens=30, seed=3)
+    want = offline.generate(render_chat(messages), max_new_tokens=30, seed=3, stop=["\nUser:", "\nSystem:"])
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.object == "chat.completion" and got.usage.completion_tokens == len(want.token_ids)
+    stream = client.chat.completions.create(
+        model="shakespeare",
+        messages=messages,
+        max_tokens=30,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_n_choices_use_seed_plus_their_index(client, offline):
+    got = client.completions.create(model="shakespeare", prompt="ROMEO:", max_tokens=20, n=2, **SAMPLED)
+    options = {k: v for k, v in SAMPLED.items() if k != "seed"}
+    for j, choice in enumerate(sorted(got.choices, key=lambda c: c.index)):
+        assert choice.text == offline.generate("ROMEO:", max_new_tokens=20, seed=7 + j, **options).text
+    assert got.usage.prompt_tokens == 3 and got.usage.completion_tokens == sum(
+        len(offline.generate("ROMEO:", max_new_tokens=20, seed=7 + j, **options).token_ids) for j in range(2)
+    )
+
+
+def test_a_list_of_prompts_gives_choices_in_order(client, offline):
+    prompts = ["A", "The night is", "Good morrow"]
+    got = client.completions.create(model="shakespeare", prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+        offline.generate(p, max_new_tokens=12, temperature=0).text for p in prompts
+    ]
+
+
+def test_stop_cuts_the_text_and_says_stop(client, offline):
+    got = client.completions.create(
+        model="shakespeare", prompt="To be, or not to be", max_tokens=60, temperature=0, stop=["\n"]
+    )
+    want = offline.generate("To be, or not to be", max_new_tokens=60, temperature=0, stop=["\n"])
+    assert got.choices[0].text == want.text and "\n" not in want.text
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="shakespeare",
+        prompt="To be, or not to be",
+        max_tokens=60,
+        temperature=0,
+        stop=["\n"],
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed) == want.text
+
+
+def test_logprobs_are_the_offline_ones_with_alternatives(client, offline):
+    got = client.completions.create(
+        model="shakespeare", prompt="What light", max_tokens=10, temperature=0, logprobs=3
+    )
+    want = offline.generate("What light", max_new_tokens=10, temperature=0, logprobs=True)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert "".join(lp.tokens) == got.choices[0].text
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and top[token] == pytest.approx(chosen)  # greedy: the chosen one is the best
+        assert max(top.values()) == pytest.approx(chosen)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
+    got = client.completions.create(
+        model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, logprobs=1
+    )
+    want = offline.generate("What light", max_new_tokens=5, temperature=0)
+    assert got.choices[0].text == "What light" + want.text
+    lp = got.choices[0].logprobs
+    ids = offline.encode("What light")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    import torch
+
+    with torch.inference_mode():
+        full = torch.log_softmax(offline.model(torch.tensor([ids]))[0, 0], -1)
+    assert lp.token_logprobs[1] == pytest.approx(float(full[ids[1]]), abs=1e-5)
+    assert len(lp.tokens) == len(ids) + len(want.token_ids)
+    streamed = client.completions.create(
+        model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
+
+
+def test_tokenize_and_detokenize(server, offline):
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "To be, or not"}).json()
+    assert tokens["tokens"] == offline.encode("To be, or not") and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == offline.model.config.n_positions
+    back = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": "To be, or not"}
+
+
+async def _stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+    prompt = ("Once more unto the breach " * (1 + i % 7))[: 5 + 13 * (i % 9)]
+    options = dict(temperature=0) if i % 2 else dict(temperature=0.8, top_k=40, seed=i)
+    extra = {"extra_body": {"top_k": options.pop("top_k")}} if "top_k" in options else {}
+    stream = await client.completions.create(
+        model="shakespeare", prompt=prompt, max_tokens=8 + i % 13, stream=True, **options, **extra
+    )
+    pieces, reason = [], None
+    async for chunk in stream:
+        pieces.append(chunk.choices[0].text)
+        reason = chunk.choices[0].finish_reason or reason
+    return "".join(pieces), reason
+
+
+def test_64_concurrent_streams_equal_the_offline_api_and_rss_stays_flat(server, offline):
+    async def round_() -> list[tuple[str, str | None]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(_stream_one(client, i) for i in range(64)))
+
+    results = asyncio.run(round_())
+    assert len(results) == 64 and all(reason in ("stop", "length") for _, reason in results)
+    for i, (text, _) in enumerate(results):
+        prompt = ("Once more unto the breach " * (1 + i % 7))[: 5 + 13 * (i % 9)]
+        options = dict(temperature=0) if i % 2 else dict(temperature=0.8, top_k=40, seed=i)
+        assert text == offline.generate(prompt, max_new_tokens=8 + i % 13, **options).text, i
+    before = server.rss()
+    for _ in range(3):
+        assert asyncio.run(round_()) == results
+    growth = server.rss() - before
+    assert growth < 16 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 3 rounds of 64 streams"
+    assert server.metric("slots_busy") == 0 and server.metric("queue_depth") == 0
+
+
+def test_a_client_that_drops_mid_stream_frees_its_slot(server):
+    cancelled = server.metric("requests_cancelled_total")
+    body = {"model": "shakespeare", "prompt": "Long ago", "max_tokens": 400, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.metric("slots_busy") == 1
+    deadline = time.monotonic() + 10
+    while server.metric("slots_busy") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("slots_busy") == 0
+    assert server.metric("requests_cancelled_total") == cancelled + 1
+
+
+def _post(server, body: object, path: str = "/v1/completions", **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(
+        server.url + path, content=content, headers={"content-type": "application/json"}, **kwargs
+    )
+
+
+BAD = [
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "temperature": True}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "n"),
+    ({"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": "word " * 600}, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ([1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_a_bad_request_gets_its_status_and_an_openai_error(server, body, status, param):
+    response = _post(server, body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+    if param:
+        assert param in error["message"]
+
+
+def test_bad_chat_requests(server):
+    for body, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ]:
+        response = _post(server, body, "/v1/chat/completions")
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_malformed_json_a_huge_body_and_unknown_routes(server):
+    assert _post(server, b'{"prompt": "x",').status_code == 400
+    assert _post(server, b"[" * 100_000).status_code == 400
+    assert _post(server, b'{"prompt": "x", "temperature": NaN}').status_code == 400
+    huge = _post(server, b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}', timeout=60)
+    assert huge.status_code == 413 and "exceeds" in huge.json()["error"]["message"]
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    # ... and the server still answers
+    assert _post(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    # A random model: greedy, it runs to the window's end (511 tokens) instead of ending at EOS as the
+    # shipped model may, so the first request holds the only slot while the test fills the queue.
+    path = tmp_path_factory.mktemp("random")
+    config = GPTConfig(vocab_size=50257, n_positions=512, n_embd=128, n_layer=4, n_head=2)
+    checkpoints.save(make_model(config, seed=1), path)
+    s = Server("-c", str(path), "--max-slots", "1", "--max-queue", "1", "--api-key", "sesame")
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0
+
+
+def test_a_full_queue_answers_429_at_once_and_the_key_is_required(small_server):
+    url, key = small_server.url + "/v1/completions", {"Authorization": "Bearer sesame"}
+    assert httpx.post(url, json={"prompt": "x"}).status_code == 401
+    assert httpx.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(small_server.url + "/health").status_code == 200  # health needs no key
+    body = {"prompt": "x", "max_tokens": 1000, "stream": True, "temperature": 0}
+    with httpx.stream("POST", url, json=body, headers=key) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()  # (kept: a dropped iterator closes the stream)
+        next(lines)  # it has the slot
+        with httpx.stream("POST", url, json=body, headers=key) as queued:
+            assert queued.status_code == 200  # it waits in the queue (of 1)
+            start = time.monotonic()
+            refused = httpx.post(url, json={"prompt": "x"}, headers=key)
+            assert refused.status_code == 429 and time.monotonic() - start < 2
+            assert refused.json()["error"]["type"] == "rate_limit_error"
