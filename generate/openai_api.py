@@ -11,6 +11,7 @@ request's own).
 
 from __future__ import annotations
 
+import codecs
 import math
 import numbers
 from collections.abc import Callable
@@ -85,6 +86,11 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param, code="invalid_value")
 
 
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
 def _int(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
@@ -104,14 +110,13 @@ def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], 
     value = body.get(name)
     if value is None:
         return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or not ok(value)
-    ):
-        raise _bad(name, f"got {value!r}; it must be {valid}")
-    return float(value)
+    try:  # (a JSON integer of 400 digits is a Python int that no float holds)
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number) or not ok(number):
+        raise _bad(name, f"got {_short(value)}; it must be {valid}")
+    return number
 
 
 def _bool(body: dict, name: str) -> bool:
@@ -128,7 +133,7 @@ def _check_fields(body: object, allowed: set[str]) -> dict:
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
         if name in UNSUPPORTED:
-            if value not in UNSUPPORTED[name]:
+            if not any(value == ok and type(value) is type(ok) for ok in UNSUPPORTED[name]):
                 raise _bad(name, f"got {value!r}; this server does not support {name} (leave it out)")
         elif name not in allowed:
             raise APIError(
@@ -180,7 +185,7 @@ class Job:
         ]
 
 
-def _options(body: dict, window: int) -> dict[str, Any]:
+def _options(body: dict) -> dict[str, Any]:
     """The options both endpoints share."""
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 means greedy)"),
@@ -277,7 +282,7 @@ def parse_completion(
     for i, p in enumerate(ids):
         _check_prompt(p, vocab, window, "prompt" if len(ids) == 1 else f"prompt[{i}]")
     logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    options = _options(body, window)
+    options = _options(body)
     return Job(
         chat=False,
         prompts=ids,
@@ -323,7 +328,8 @@ def parse_chat(body: object, *, encode: Callable[[str], list[int]], vocab: int, 
     if top is not None and body.get("logprobs") is not True:
         raise _bad("top_logprobs", "it needs logprobs: true")
     limit = _int(body, "max_completion_tokens", None, 0)
-    limit = _int(body, "max_tokens", window, 0) if limit is None else limit
+    old_limit = _int(body, "max_tokens", window, 0)  # checked even when max_completion_tokens is given
+    limit = old_limit if limit is None else limit
     return Job(
         chat=True,
         prompts=[ids],
@@ -331,7 +337,7 @@ def parse_chat(body: object, *, encode: Callable[[str], list[int]], vocab: int, 
         logprobs=(top or 0) if _bool(body, "logprobs") else None,
         echo=False,
         prompt_texts=[text],
-        **_options(body, window),
+        **_options(body),
     )
 
 
@@ -360,20 +366,35 @@ class TokenText:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+class TextOffsets:
+    """Where each token's text starts in a choice's text, in characters, token by token: a token holding
+    part of a UTF-8 character starts where that character will."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], start: int = 0) -> None:
+        self._token_bytes, self._offset = token_bytes, start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        """The offsets of ``tokens``, which follow the tokens of earlier calls."""
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(self._decoder.decode(self._token_bytes(t)))
+        return offsets
+
+
 def completion_logprobs(
     tokens: list[int],
     logprobs: list[float | None],
     top: list[dict[int, float] | None],
     name: TokenText,
-    offset: int,
+    offset: int | TextOffsets,
 ) -> dict[str, Any]:
-    """The completions ``logprobs`` object: tokens, their logprobs, the alternatives, each token's offset
-    in the choice's text (starting at ``offset``)."""
+    """The completions ``logprobs`` object: tokens, their logprobs, the alternatives, and where each token's
+    text starts in the choice's text (``offset``: the first one's, or a :class:`TextOffsets` carried on from
+    the previous chunk)."""
     names = [name(t) for t in tokens]
-    offsets = []
-    for n in names:
-        offsets.append(offset)
-        offset += len(n)
+    offsets = (offset if isinstance(offset, TextOffsets) else TextOffsets(name.token_bytes, offset))(tokens)
     return {
         "tokens": names,
         "token_logprobs": logprobs,

@@ -144,7 +144,7 @@ class _Answer:
         self.model, self.created = state.settings.model_name, int(time.time())
         self.name = oa.TokenText(gen.tokenizer.decode_single_token_bytes)
         self.prompt_logprobs: list[list[float | None]] = []
-        self.offsets = [0] * len(requests)
+        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes) for _ in requests]
         self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
 
     def prompt_of(self, index: int) -> int:
@@ -170,9 +170,7 @@ class _Answer:
             prompt = self.job.prompts[self.prompt_of(index)]
             tokens, logprobs = prompt + tokens, self.prompt_logprobs[self.prompt_of(index)] + logprobs
             top = [None] + [{} for _ in prompt[1:]] + top
-        out = oa.completion_logprobs(tokens, logprobs, top, self.name, self.offsets[index])
-        self.offsets[index] += sum(len(self.name(t)) for t in tokens)
-        return out
+        return oa.completion_logprobs(tokens, logprobs, top, self.name, self.offsets[index])
 
     def whole(self) -> dict[str, Any]:
         """The non-streamed answer."""
