@@ -13,7 +13,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,10 +24,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from generate import openai_api as oa
+from generate.answer import Answer, prompt_logprobs, sse
 from generate.api import Generator
 from generate.engine import Engine
 from generate.engine_loop import EngineLoop, QueueFull, Update
-from generate.request import Request
 
 log = logging.getLogger("gptgen.server")
 MAX_BODY = 4 * 2**20  # bytes of request body; a full window of token ids is far smaller
@@ -134,85 +133,6 @@ def _check_model(state: State, body: object) -> None:
         )
 
 
-class _Answer:
-    """Builds one HTTP request's OpenAI objects from its engine requests."""
-
-    def __init__(self, state: State, gen: Generator, job: oa.Job, requests: list[Request]) -> None:
-        self.gen, self.job, self.requests = gen, job, requests
-        self.chat = job.chat
-        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
-        self.model, self.created = state.settings.model_name, int(time.time())
-        self.name = oa.TokenText(gen.tokenizer.decode_single_token_bytes)
-        self.prompt_logprobs: list[list[float | None]] = []
-        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes) for _ in requests]
-        self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
-
-    def prompt_of(self, index: int) -> int:
-        return index // self.job.n
-
-    def usage(self) -> dict[str, int]:
-        return oa.usage(self.requests, sum(len(p) for p in self.job.prompts))
-
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _echo(self, index: int) -> str:
-        return self.job.prompt_texts[self.prompt_of(index)] if self.job.echo else ""
-
-    def _logprobs(self, index: int, tokens: list[int], logprobs: list, top: list, first: bool) -> Any:
-        if self.job.logprobs is None:
-            return None
-        if self.chat:
-            return oa.chat_logprobs(
-                tokens, logprobs, top, self.gen.tokenizer.decode_single_token_bytes, self.name
-            )
-        if first and self.job.echo:
-            prompt = self.job.prompts[self.prompt_of(index)]
-            tokens, logprobs = prompt + tokens, self.prompt_logprobs[self.prompt_of(index)] + logprobs
-            top = [None] + [{} for _ in prompt[1:]] + top
-        return oa.completion_logprobs(tokens, logprobs, top, self.name, self.offsets[index])
-
-    def whole(self) -> dict[str, Any]:
-        """The non-streamed answer."""
-        choices = []
-        for i, r in enumerate(self.requests):
-            top = r.top_list if r.top_logprobs else [{} for _ in r.token_ids]
-            logprobs = self._logprobs(i, r.token_ids, r.logprobs_list, top, first=True)
-            text = self._echo(i) + r.text.text
-            choice = (
-                {"index": i, "message": {"role": "assistant", "content": text}}
-                if self.chat
-                else {"index": i, "text": text}
-            )
-            choices.append(choice | {"logprobs": logprobs, "finish_reason": r.finish_reason})
-        return self.head("chat.completion" if self.chat else "text_completion") | {
-            "choices": choices,
-            "usage": self.usage(),
-        }
-
-    def chunk(self, index: int, text: str, update: Update | None, first: bool) -> dict[str, Any]:
-        """One streamed chunk for choice ``index``."""
-        tokens, logprobs, top = (update.tokens, update.logprobs, update.top) if update else ([], [], [])
-        reason = update.finish_reason if update else None
-        lp = self._logprobs(index, tokens, logprobs, top, first) if (tokens or first) else None
-        if self.chat:
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": text}
-        return self.head(self.chunk_kind) | {"choices": [choice | {"logprobs": lp, "finish_reason": reason}]}
-
-    def stream_start(self) -> list[dict[str, Any]]:
-        """Chunks sent before any token: the chat role, or the echoed prompt."""
-        if self.chat or self.job.echo:
-            return [self.chunk(i, self._echo(i), None, first=True) for i in range(len(self.requests))]
-        return []
-
-
-def _sse(obj: object) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 async def _wait_all(request: HTTPRequest, queue: asyncio.Queue, count: int) -> list[Update]:
     """Collect updates until ``count`` choices finished; a client that goes away raises ClientGone."""
     finals = []
@@ -282,10 +202,10 @@ def build_app(settings: Settings) -> Starlette:
                 body, encode=_encoder(gen), decode=gen.tokenizer.decode, vocab=_vocab(gen), window=window
             )
         requests = job.requests(gen.tokenizer.eot_token)
-        answer = _Answer(state, gen, job, requests)
+        answer = Answer(settings.model_name, gen, job, requests)
         if job.echo and job.logprobs is not None:
             answer.prompt_logprobs = [
-                await loop.call(lambda p=p: _prompt_logprobs(gen, p)) for p in job.prompts
+                await loop.call(lambda p=p: prompt_logprobs(gen, p)) for p in job.prompts
             ]
         try:
             queue = loop.submit(requests)
@@ -311,24 +231,24 @@ def build_app(settings: Settings) -> Starlette:
         return JSONResponse(answer.whole())
 
     async def _stream(
-        answer: _Answer, loop: EngineLoop, queue: asyncio.Queue, note: dict
+        answer: Answer, loop: EngineLoop, queue: asyncio.Queue, note: dict
     ) -> AsyncIterator[str]:
         finished = 0
         try:
             for chunk in answer.stream_start():
-                yield _sse(chunk)
+                yield sse(chunk)
             while finished < len(answer.requests):
                 update: Update = await queue.get()
                 if update.error:
                     body = oa.APIError(update.error, status=500, type="server_error").body()
-                    yield _sse(body)
+                    yield sse(body)
                     break
                 finished += update.finish_reason is not None
                 if update.text or update.finish_reason or (answer.job.logprobs is not None and update.tokens):
-                    yield _sse(answer.chunk(update.index, update.text, update, first=False))
+                    yield sse(answer.chunk(update.index, update.text, update, first=False))
             else:
                 if answer.job.include_usage:
-                    yield _sse(answer.head(answer.chunk_kind) | {"choices": [], "usage": answer.usage()})
+                    yield sse(answer.head(answer.chunk_kind) | {"choices": [], "usage": answer.usage()})
             yield "data: [DONE]\n\n"
         finally:
             if finished < len(answer.requests):
@@ -433,19 +353,6 @@ def build_app(settings: Settings) -> Starlette:
     )
     app.state.gptgen = state
     return app
-
-
-def _prompt_logprobs(gen: Generator, prompt: list[int]) -> list[float | None]:
-    """Each prompt token's log-probability given the tokens before it (the first has none): one full
-    forward, the reference path."""
-    import torch
-
-    with torch.inference_mode():
-        logits = gen.model(torch.tensor([prompt], device=gen.model.device))[0, :-1].float()
-        chosen = torch.log_softmax(logits, dim=-1).gather(
-            -1, torch.tensor(prompt[1:], device=logits.device)[:, None]
-        )
-    return [None, *chosen[:, 0].tolist()]
 
 
 def _metrics_text(state: State) -> str:

@@ -1,0 +1,106 @@
+"""One HTTP request's answer in OpenAI's shapes: the whole completion, or its stream of chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from generate import openai_api as oa
+from generate.api import Generator
+from generate.engine_loop import Update
+from generate.request import Request
+
+
+class Answer:
+    """Builds one HTTP request's OpenAI objects from its engine requests."""
+
+    def __init__(self, model_name: str, gen: Generator, job: oa.Job, requests: list[Request]) -> None:
+        self.gen, self.job, self.requests = gen, job, requests
+        self.chat = job.chat
+        self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex
+        self.model, self.created = model_name, int(time.time())
+        self.name = oa.TokenText(gen.tokenizer.decode_single_token_bytes)
+        self.prompt_logprobs: list[list[float | None]] = []
+        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes) for _ in requests]
+        self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.job.n
+
+    def usage(self) -> dict[str, int]:
+        return oa.usage(self.requests, sum(len(p) for p in self.job.prompts))
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _echo(self, index: int) -> str:
+        return self.job.prompt_texts[self.prompt_of(index)] if self.job.echo else ""
+
+    def _logprobs(self, index: int, tokens: list[int], logprobs: list, top: list, first: bool) -> Any:
+        if self.job.logprobs is None:
+            return None
+        if self.chat:
+            return oa.chat_logprobs(
+                tokens, logprobs, top, self.gen.tokenizer.decode_single_token_bytes, self.name
+            )
+        if first and self.job.echo:
+            prompt = self.job.prompts[self.prompt_of(index)]
+            tokens, logprobs = prompt + tokens, self.prompt_logprobs[self.prompt_of(index)] + logprobs
+            top = [None] + [{} for _ in prompt[1:]] + top
+        return oa.completion_logprobs(tokens, logprobs, top, self.name, self.offsets[index])
+
+    def whole(self) -> dict[str, Any]:
+        """The non-streamed answer."""
+        choices = []
+        for i, r in enumerate(self.requests):
+            top = r.top_list if r.top_logprobs else [{} for _ in r.token_ids]
+            logprobs = self._logprobs(i, r.token_ids, r.logprobs_list, top, first=True)
+            text = self._echo(i) + r.text.text
+            choice = (
+                {"index": i, "message": {"role": "assistant", "content": text}}
+                if self.chat
+                else {"index": i, "text": text}
+            )
+            choices.append(choice | {"logprobs": logprobs, "finish_reason": r.finish_reason})
+        return self.head("chat.completion" if self.chat else "text_completion") | {
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def chunk(self, index: int, text: str, update: Update | None, first: bool) -> dict[str, Any]:
+        """One streamed chunk for choice ``index``."""
+        tokens, logprobs, top = (update.tokens, update.logprobs, update.top) if update else ([], [], [])
+        reason = update.finish_reason if update else None
+        lp = self._logprobs(index, tokens, logprobs, top, first) if (tokens or first) else None
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": text}
+        return self.head(self.chunk_kind) | {"choices": [choice | {"logprobs": lp, "finish_reason": reason}]}
+
+    def stream_start(self) -> list[dict[str, Any]]:
+        """Chunks sent before any token: the chat role, or the echoed prompt."""
+        if self.chat or self.job.echo:
+            return [self.chunk(i, self._echo(i), None, first=True) for i in range(len(self.requests))]
+        return []
+
+
+def sse(obj: object) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def prompt_logprobs(gen: Generator, prompt: list[int]) -> list[float | None]:
+    """Each prompt token's log-probability given the tokens before it (the first has none): one full
+    forward, the reference path."""
+    import torch
+
+    with torch.inference_mode():
+        logits = gen.model(torch.tensor([prompt], device=gen.model.device))[0, :-1].float()
+        chosen = torch.log_softmax(logits, dim=-1).gather(
+            -1, torch.tensor(prompt[1:], device=logits.device)[:, None]
+        )
+    return [None, *chosen[:, 0].tolist()]
