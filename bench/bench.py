@@ -32,9 +32,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="A/B rounds per measurement (default 5, quick 2)")
     p.add_argument(
         "--dtypes",
-        default="float32,bfloat16,int8,int8-body",
-        help="ours: float32, bfloat16, int8 (head included) or int8-body (bf16 head); int8 runs vs HF bf16",
+        default="float32,bfloat16,int8,int8-body,int4,int4-body",
+        help="ours: float32, bfloat16, int8 or int4 (head included), int8-body or int4-body (bf16 head); "
+        "int8 and int4 run beside HF bf16",
     )
+    p.add_argument("--group-size", type=int, help="int4's group size (default: the loader's, 32)")
     p.add_argument(
         "--measure",
         default="batch1,batch8,prefill",
@@ -56,6 +58,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.group_size is not None and not all(d.startswith("int4") for d in args.dtypes.split(",")):
+        p.error("--group-size applies to int4 and int4-body only; pass those alone in --dtypes")
     unknown = set(args.measure.split(",")) - {"batch1", "batch8", "prefill"}
     if unknown:
         p.error(f"--measure: unknown {', '.join(sorted(unknown))}; choose from batch1, batch8, prefill")
@@ -75,7 +79,7 @@ def _peak_rss() -> int:
     return 0
 
 
-def _worker(kind: str, directory: str, dtype_name: str) -> None:
+def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) -> None:
     import torch
 
     compiled = kind == "compiled"
@@ -84,7 +88,8 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
         from generate import Generator, SamplingParams
         from generate.request import Request
 
-        model = checkpoints.load(directory, dtype=dtype_name)  # int8-body: int8 blocks, bf16 output head
+        # int8-body / int4-body: quantized blocks, bf16 output head
+        model = checkpoints.load(directory, dtype=dtype_name, group_size=group_size)
         greedy = SamplingParams(temperature=0)
         gen = Generator(model, compile=compiled)  # keeps one engine per shape: each shape compiles once
 
@@ -99,11 +104,10 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
             with torch.inference_mode():
                 model(torch.tensor([ids]), last_only=True)  # the reference forward: prefill is eager
 
-        weights = sum(
-            t.numel() * t.element_size()
-            for t in [*model.parameters(), *model.buffers()]
-            if t.dtype != torch.bool
-        )  # int8 matrices and scales are buffers; masks are not weights
+        tensors = [*model.named_parameters(), *model.named_buffers()]  # quantized matrices are buffers
+        weights = sum(t.numel() * t.element_size() for _, t in tensors if t.dtype != torch.bool)  # no masks
+        # An int4 head's plain codes serve the embedding lookup only: a step reads just its rows.
+        read = weights - sum(t.nbytes for name, t in tensors if name.endswith("wte.codes"))
     else:
         import transformers
 
@@ -131,8 +135,9 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
             with torch.inference_mode():
                 model(torch.tensor([ids]), logits_to_keep=1)
 
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"ready": True, "weights": weights, "threads": torch.get_num_threads()}), flush=True)
+        weights = read = sum(p.numel() * p.element_size() for p in model.parameters())
+    info = {"ready": True, "weights": weights, "read": read, "threads": torch.get_num_threads()}
+    print(json.dumps(info), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.perf_counter()
@@ -154,12 +159,22 @@ def _worker(kind: str, directory: str, dtype_name: str) -> None:
 class Worker:
     """A library in its own process, answering one JSON job per line."""
 
-    def __init__(self, kind: str, directory: str, dtype: str, compile_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        directory: str,
+        dtype: str,
+        compile_dir: str | None = None,
+        group_size: int | None = None,
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if compile_dir:
             env["GPTGEN_CACHE_DIR"] = compile_dir
+        command = [sys.executable, __file__, "--worker", kind, "--dir", directory, "--dtype", dtype]
+        if group_size is not None:
+            command += ["--group-size", str(group_size)]
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", kind, "--dir", directory, "--dtype", dtype],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -267,13 +282,13 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
     prompt = torch.randint(0, vocab, (16,), generator=g).tolist()
     batch = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (8, 16, 24, 32, 40, 48, 56, 64)]
     long_prompt = torch.randint(0, vocab, (min(window, 128 if args.quick else 512),), generator=g).tolist()
-    # int8 is weight-only: its activations and KV cache are bf16, so it is compared with HF in bf16.
-    hf_dtype = "bfloat16" if dtype.startswith("int8") else dtype
-    workers = {"ours": Worker("ours", directory, dtype)}
+    # int8 and int4 are weight-only: their activations and KV cache are bf16, so HF runs in bf16 beside them.
+    hf_dtype = "bfloat16" if dtype.startswith(("int8", "int4")) else dtype
+    workers = {"ours": Worker("ours", directory, dtype, group_size=args.group_size)}
     try:
         if args.compile:
             start = time.perf_counter()
-            workers["compiled"] = Worker("compiled", directory, dtype, compile_dir)
+            workers["compiled"] = Worker("compiled", directory, dtype, compile_dir, args.group_size)
             workers["compiled"].ask(op="generate", prompts=[prompt], new=2, room=new)
             took = time.perf_counter() - start
             print(f"[{dtype}] compiled: a first process (empty cache) generates {took:.1f} s after it starts "
@@ -283,7 +298,7 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
             print(f"[{dtype}] compiled: the batch-8 step compiled in {time.perf_counter() - start:.1f} s",
                   flush=True)  # fmt: skip
             start = time.perf_counter()
-            second = Worker("compiled", directory, dtype, compile_dir)
+            second = Worker("compiled", directory, dtype, compile_dir, args.group_size)
             rss = second.ask(op="generate", prompts=[prompt], new=2, room=new)["peak_rss"]
             took = time.perf_counter() - start
             print(f"[{dtype}] compiled: a second process generates {took:.1f} s after it starts (the "
@@ -346,11 +361,13 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
         )
         if bandwidths and "batch1" in rows:
             bandwidth = statistics.median(bandwidths)
-            limit = bandwidth / weights
+            read = workers["ours"].info["read"]
+            limit = bandwidth / read
             print(
                 f"[{dtype}] read bandwidth (1 GiB sum, before each batch-1 call): median "
                 f"{bandwidth / 1e9:.1f} GB/s ({min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); "
-                f"bandwidth limit {limit:.0f} tok/s (weights read once a token); batch 1 at "
+                f"bandwidth limit {limit:.0f} tok/s ({read / mib:.0f} MiB of weights read once a token); "
+                "batch 1 at "
                 + ", ".join(f"{LABELS[n]} {rows['batch1'][n] / limit:.2f}" for n in workers if n != "hf")
                 + " of it",
                 flush=True,
@@ -364,7 +381,7 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     if args.worker:
-        _worker(args.worker, args.dir, args.dtype)
+        _worker(args.worker, args.dir, args.dtype, args.group_size)
         return
     import torch
     import transformers
@@ -376,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     print(cpu_description(), flush=True)
+    if args.group_size is not None:
+        print(f"int4 group size {args.group_size}", flush=True)
     with tempfile.TemporaryDirectory() as directory, tempfile.TemporaryDirectory() as compile_dir:
         if args.model:
             directory = args.model

@@ -15,13 +15,14 @@ from checkpoints.errors import CheckpointError
 from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import FILE_DTYPES, PREFIX, file_shape, iter_tensors, model_key, read_header
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, int4
 from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quantize_int8, quantize_rows
 
 SHIPPED_DIR = Path(__file__).parent
 SINGLE_FILE = "model.safetensors"
-# The weight-only int8 dtype names, and whether each quantizes the output head (the tied embedding) too.
-INT8_MODES = {"int8": True, "int8-body": False}
+# The weight-only quantized dtype names: their bits, and whether each quantizes the output head (the tied
+# embedding) too.
+QUANT_MODES = {"int8": (8, True), "int8-body": (8, False), "int4": (4, True), "int4-body": (4, False)}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -201,6 +202,7 @@ def load(
     config: GPTConfig | str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    group_size: int | None = None,
 ) -> GPT:
     """Load a GPT-2-family checkpoint and return the model in eval mode.
 
@@ -213,7 +215,9 @@ def load(
         device: where to put the model (default CPU).
         dtype: ``float32`` (default), ``bfloat16`` or ``float16``, as a torch dtype or a name; or
             ``"int8"``: int8 weights with per-row scales (output head included), bf16 activations; or
-            ``"int8-body"``: the same with the tied embedding and output head kept in bf16.
+            ``"int8-body"``: the same with the tied embedding and output head kept in bf16; or ``"int4"`` /
+            ``"int4-body"``: the same with 4-bit weights, one bf16 scale and zero per ``group_size`` weights.
+        group_size: int4's group size, 32 (default), 64 or 128; only with ``"int4"`` and ``"int4-body"``.
 
     Returns:
         The model, in eval mode, on ``device`` in ``dtype``.
@@ -221,25 +225,37 @@ def load(
     Raises:
         CheckpointError: (a ``ValueError``) if the checkpoint is missing, unreadable, not safetensors,
             truncated, or does not match its config; the message names the file, key or shape.
-        ValueError: for an unsupported ``dtype``, or a device that is unknown, absent, or cannot compute
-            in ``dtype``.
+        ValueError: for an unsupported ``dtype`` or ``group_size``, or a device that is unknown, absent, or
+            cannot compute in ``dtype``.
 
     Example:
         >>> model = load("shakespeare", dtype="bfloat16")  # doctest: +SKIP
     """
-    # Weight-only int8: linear layers read in fp32 and quantized, computed in bf16.
-    include_head = INT8_MODES.get(dtype) if isinstance(dtype, str) else None
-    quantize = include_head is not None
+    # Weight-only int8/int4: linear layers read in fp32 and quantized, computed in bf16.
+    bits, include_head = QUANT_MODES.get(dtype, (None, None)) if isinstance(dtype, str) else (None, None)
+    quantize = bits is not None
+    if group_size is not None and bits != 4:
+        shown = dtype or "float32"
+        raise ValueError(
+            f"group_size={group_size!r} applies to dtype 'int4' or 'int4-body' only, not {shown!r}"
+        )
+    if bits == 4:
+        group_size = int4.DEFAULT_GROUP_SIZE if group_size is None else group_size
+        int4.check_group_size(group_size)
     try:
         dtype = torch.float32 if quantize else resolve_dtype(dtype)
     except ValueError as e:
-        modes = ", ".join(repr(m) for m in INT8_MODES)
-        raise ValueError(f"{e}, or the names {modes} (weight-only int8)") from None
+        modes = ", ".join(repr(m) for m in QUANT_MODES)
+        raise ValueError(f"{e}, or the names {modes} (weight-only int8 and int4)") from None
     device = resolve_device(device, torch.bfloat16 if quantize else dtype)
     cfg, files = _resolve(source, config)
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
     plan = _plan(model, files)
+    if bits == 4:
+        widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        for width in sorted(widths | ({cfg.n_embd} if include_head else set())):
+            int4.check_group_size(group_size, width)  # before any weight is read
     model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
     if quantize and not include_head:
         model.wte.to(COMPUTE_DTYPE)  # the head stays bf16: its pieces are cast as read, never held in fp32
@@ -248,7 +264,7 @@ def load(
     model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     model.reset_buffers()
     if quantize:
-        put = _Int8Load(model, device, include_head=include_head).put
+        put = _QuantLoad(model, device, bits=bits, include_head=include_head, group_size=group_size).put
     else:
         params = dict(model.named_parameters())
 
@@ -261,37 +277,53 @@ def load(
                 put(name, index, piece)
     if quantize:
         # What is left (nothing, normally) is quantized, and the rest cast to bf16.
-        model = quantize_int8(model, include_head=include_head)
+        if bits == 4:
+            model = int4.quantize_int4(model, group_size, include_head=include_head)
+        else:
+            model = quantize_int8(model, include_head=include_head)
     _release_freed_memory()  # the pieces read are freed, but the heap they grew stays resident without this
     return model.eval()
 
 
-class _Int8Load:
-    """Fills a model loaded with ``dtype="int8"`` or ``"int8-body"`` so that it never holds the whole fp32
-    model.
+class _QuantLoad:
+    """Fills a model loaded with a quantized dtype (:data:`QUANT_MODES`) so that it never holds the whole
+    fp32 model.
 
     Each layer is quantized as soon as all its tensors are read, and its fp32 copy dropped: a layer's fp32
     pages are written (made resident) only while it is read. With ``include_head`` the tied head is
-    quantized row piece by row piece as it arrives (rows quantize independently, one scale each), so its
-    fp32 pages are never written; without, the model holds it in bf16 already and the pieces are cast into it.
+    quantized row piece by row piece as it arrives (rows quantize independently: int8 has one scale a row,
+    int4 its groups along the row), so its fp32 pages are never written; without, the model holds it in
+    bf16 already and the pieces are cast into it.
     """
 
     HEAD = "wte.weight"
 
-    def __init__(self, model: GPT, device: torch.device, *, include_head: bool) -> None:
-        self.model = model
+    def __init__(self, model: GPT, device: torch.device, *, bits: int, include_head: bool,
+                 group_size: int | None) -> None:  # fmt: skip
+        self.model, self.bits, self.group_size = model, bits, group_size
         self.quantized_head = self.HEAD if include_head else None  # the name quantized row piece by piece
         self.params = dict(model.named_parameters())  # the only references besides the model's own
         self.unread = {name: p.numel() for name, p in self.params.items()}  # elements not read yet
         if include_head:
             vocab, width = self.params[self.HEAD].shape
-            self.head = torch.empty(vocab, width, dtype=torch.int8, device=device)
-            self.head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
+            if bits == 8:
+                self.head = torch.empty(vocab, width, dtype=torch.int8, device=device)
+                self.head_scale = torch.empty(vocab, dtype=COMPUTE_DTYPE, device=device)
+            else:
+                self.head = torch.empty(vocab, width // 2, dtype=torch.uint8, device=device)
+                self.head_scale = torch.empty(
+                    width // group_size, vocab, 2, dtype=COMPUTE_DTYPE, device=device
+                )
 
     def put(self, name: str, index: tuple[slice, ...], piece: torch.Tensor) -> None:
         """Place one piece from :func:`iter_tensors`; quantize its layer once the layer is complete."""
         if name == self.quantized_head:
-            self.head[index], self.head_scale[index] = quantize_rows(piece.to(self.head.device))
+            piece = piece.to(self.head.device)
+            if self.bits == 8:
+                self.head[index], self.head_scale[index] = quantize_rows(piece)
+            else:
+                rows = index[0]
+                self.head[rows], self.head_scale[:, rows] = int4.quantize_groups(piece, self.group_size)
         else:
             self.params[name][index].copy_(piece)
         self.unread[name] -= piece.numel()
@@ -306,8 +338,14 @@ class _Int8Load:
         if any(self.unread[n] for n in own):
             return
         if name == self.quantized_head:
-            setattr(parent, child, Int8TiedEmbedding(self.head, self.head_scale))
-        elif not quantize_child(parent, child, include_head=False):
+            head = (Int8TiedEmbedding(self.head, self.head_scale) if self.bits == 8
+                    else int4.Int4TiedEmbedding(self.head, self.head_scale, self.group_size))  # fmt: skip
+            setattr(parent, child, head)
+        elif not (
+            quantize_child(parent, child, include_head=False)
+            if self.bits == 8
+            else int4.quantize_child_int4(parent, child, self.group_size, include_head=False)
+        ):
             return
         for n in own:
             del self.params[n]

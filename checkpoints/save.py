@@ -13,6 +13,7 @@ from checkpoints.load import INDEX_FILE, SINGLE_FILE
 from checkpoints.placement import resolve_dtype
 from checkpoints.safetensors_io import write_safetensors
 from model import GPT
+from model.int4 import Int4Linear, Int4TiedEmbedding
 from model.quant import Int8Linear, Int8TiedEmbedding
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -52,13 +53,15 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
         The directory.
 
     Raises:
-        ValueError: for an unsupported ``dtype``, or an int8-quantized model (its linear layers hold int8
-            matrices and scales, which the GPT-2 layout has no place for).
+        ValueError: for an unsupported ``dtype``, or an int8- or int4-quantized model (its linear layers
+            hold quantized matrices and scales, which the GPT-2 layout has no place for).
     """
-    if any(isinstance(m, (Int8Linear, Int8TiedEmbedding)) for m in model.modules()):
+    quantized = {Int8Linear: "int8", Int8TiedEmbedding: "int8", Int4Linear: "int4", Int4TiedEmbedding: "int4"}
+    kind = next((quantized[type(m)] for m in model.modules() if type(m) in quantized), None)
+    if kind is not None:
         raise ValueError(
-            "this model is int8-quantized (loaded with dtype='int8' or 'int8-body'): its int8 matrices "
-            "cannot be stored as GPT-2 weights; save the model loaded in float32 or bfloat16 instead"
+            f"this model is {kind}-quantized (loaded with dtype='{kind}' or '{kind}-body'): its {kind} "
+            "matrices cannot be stored as GPT-2 weights; save the model loaded in float32 or bfloat16 instead"
         )
     directory = Path(directory)
     store = resolve_dtype(dtype) if dtype is not None else model.wte.weight.dtype

@@ -224,6 +224,7 @@ def load(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    group_size: int | None = None,
     compile: bool = False,
 ) -> Generator:
     """Load a checkpoint (see :func:`checkpoints.load`) and the tokenizer into a :class:`Generator`.
@@ -231,12 +232,15 @@ def load(
     Args:
         source: a checkpoint directory or file, a shipped name (default ``"shakespeare"``) or a hub id.
         device: where to run (default CPU).
-        dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``"int8"`` (int8 weights, bf16 compute) or
-            ``"int8-body"`` (the same with the output head in bf16).
+        dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``"int8"`` (int8 weights, bf16 compute),
+            ``"int8-body"`` (the same with the output head in bf16), ``"int4"`` or ``"int4-body"`` (4-bit
+            weights in groups).
+        group_size: int4's group size: 32 (default), 64 or 128.
         compile: run decode steps compiled (see :class:`Generator`).
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
-    return Generator(checkpoints.load(source, device=device, dtype=dtype), compile=compile)
+    model = checkpoints.load(source, device=device, dtype=dtype, group_size=group_size)
+    return Generator(model, compile=compile)

@@ -79,9 +79,15 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8", "int8-body"],
-        help="weights and compute: float32 (default), bfloat16, float16, or int8 weights with bf16 compute "
-        "(int8-body: output head in bf16)",
+        choices=["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"],
+        help="weights and compute: float32 (default), bfloat16, float16, or int8 or int4 weights with bf16 "
+        "compute (-body: output head in bf16)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=[32, 64, 128],
+        help="int4's weights per scale and zero (default 32); only with --dtype int4 or int4-body",
     )
     p.add_argument(
         "--max-new-tokens", "-n", type=int, default=100, help="tokens to generate at most (default 100)"
@@ -189,13 +195,15 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.logprobs and not args.json:
         parser.error("--logprobs only shows in JSON output; add --json")
     # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
-    from checkpoints import INT8_MODES, resolve_device, resolve_dtype
+    from checkpoints import QUANT_MODES, resolve_device, resolve_dtype
     from generate.request import check_seed
     from generate.sampling import SamplingParams
 
+    if args.group_size is not None and not args.dtype.startswith("int4"):
+        parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
-        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in INT8_MODES else args.dtype))
+        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in QUANT_MODES else args.dtype))
     except ValueError as e:
         parser.error(str(e))
     if args.seed is not None:
@@ -274,7 +282,13 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
         handler.setFormatter(logging.Formatter("generate: %(message)s"))
         logging.getLogger("gptgen").addHandler(handler)
         logging.getLogger("gptgen").setLevel(logging.INFO)
-    gen = load(args.checkpoint, device=args.device, dtype=args.dtype, compile=args.compile)
+    gen = load(
+        args.checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        group_size=args.group_size,
+        compile=args.compile,
+    )
     _check_prompts(gen, prompts, args.prompts_file)
     _run(gen, [prompt for _, prompt in prompts], args, out)
 

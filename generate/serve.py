@@ -50,8 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8", "int8-body"],
-        help="weights and compute (default float32)",
+        choices=["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"],
+        help="weights and compute (default float32); int8 and int4 are weight-only (bf16 compute)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=[32, 64, 128],
+        help="int4's weights per scale and zero (default 32); only with --dtype int4 or int4-body",
     )
     p.add_argument(
         "--compile",
@@ -91,6 +97,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty; give a key, or leave it out")
+    if args.group_size is not None and not args.dtype.startswith("int4"):
+        parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
 
 
 def _loopback(host: str) -> bool:
@@ -191,7 +199,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
 
         if args.compile:
             logging.getLogger("gptgen").info("compiling the decode step (%d slots)", args.max_slots)
-        gen = load(args.checkpoint, device=args.device, dtype=args.dtype, compile=args.compile)
+        gen = load(
+            args.checkpoint,
+            device=args.device,
+            dtype=args.dtype,
+            group_size=args.group_size,
+            compile=args.compile,
+        )
         loop = state.attach(gen, gen.engine(args.max_slots, gen.model.config.n_positions))
     except KeyboardInterrupt:
         thread.join()

@@ -16,6 +16,10 @@ TINY_CONFIGS = {
     ),
 }
 
+# For int4 (its group sizes must divide every linear layer's input width): 64 and 256, a 97-token vocabulary
+# (a head padded to 128 rows), and TINY_CONFIGS["5x3x48"]'s vocabulary and window.
+INT4_CONFIG = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=3, n_head=2)
+
 
 def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:
     """A randomly initialised model in eval mode. A larger ``std`` gives clear argmax margins."""

@@ -3,19 +3,21 @@
 Within one engine (a fixed number of slots) every row's logits are bitwise equal alone and beside any other
 requests, in any slot, in every dtype, eager and compiled: each step has the same shapes whatever runs, and
 the kernels compute a row without reading the others. Across engines of different widths, bf16, fp16 and the
-int8 modes stay bitwise equal (their kernels give a row the same sums at any row count); fp32 products do not
-(MKL sums in another order for another row count), so fp32 across widths is held to 1e-5 and equal tokens.
+int8 and int4 modes stay bitwise equal (their kernels give a row the same sums at any row count); fp32
+products do not (MKL sums in another order for another row count), so fp32 across widths is held to 1e-5
+and equal tokens.
 """
 
 import pytest
 import torch
 from test_prefix_consistency import run_and_record
 
-from conftest import TINY_CONFIGS, make_model
+from conftest import INT4_CONFIG, TINY_CONFIGS, make_model
 from generate.engine import Engine
 from generate.kernels import onednn_available
 from generate.request import Request
 from generate.sampling import SamplingParams
+from model.int4 import quantize_int4
 from model.quant import quantize_int8
 
 # The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
@@ -27,6 +29,8 @@ SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, repetition_penal
 
 
 def model_in(dtype: str):
+    if dtype.startswith("int4"):  # the same vocabulary and window, widths its group sizes divide
+        return quantize_int4(make_model(INT4_CONFIG, seed=8, std=0.1), 32, include_head=dtype == "int4")
     model = make_model(CONFIG, seed=8, std=0.1)
     if dtype == "int8":
         return quantize_int8(model)
@@ -70,7 +74,7 @@ def alone_and_together(model, slots: int, alone_slots: int, compile: bool = Fals
     return results
 
 
-DTYPES = ["float32", "bfloat16", "float16", "int8", "int8-body"]
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,7 +99,7 @@ def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"])
 def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), slots=4, alone_slots=1):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
@@ -109,7 +113,7 @@ def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5(onedn
         assert max((a - b).abs().max().item() for a, b in zip(alone, together, strict=True)) <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int8-body"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int8-body", "int4"])
 def test_compiled_a_request_alone_equals_it_beside_others_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), 2, 2, compile=True):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list

@@ -132,6 +132,23 @@ def test_dtype_option_loads_the_model_in_that_dtype(ckpt, gen, dtype, capsys):
     assert record["logprobs"][0] != pytest.approx(fp32.logprobs[0], abs=1e-6)
 
 
+def test_int4_with_a_group_size_is_the_api_s_int4(ckpt, capsys):
+    args = ["The quick brown fox", "-c", ckpt, "--json", "-n", "8", "-t", "0", "--dtype", "int4-body"]
+    assert main([*args, "--group-size", "32"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    expected = generate.load(ckpt, dtype="int4-body", group_size=32).generate(
+        "The quick brown fox", max_new_tokens=8, temperature=0
+    )
+    assert record["token_ids"] == expected.token_ids
+
+
+def test_a_group_size_the_model_cannot_take_is_one_error_line(ckpt, capsys):
+    # The checkpoint's width is 32: groups of 64 do not divide it.
+    assert main(["Hello", "-c", ckpt, "--dtype", "int4", "--group-size", "64"]) == 1
+    line = assert_one_error_line(capsys.readouterr().err)
+    assert "group_size 64" in line and "width 32" in line
+
+
 def test_prompts_file_gives_one_object_per_prompt_in_order(ckpt, gen, capsys, tmp_path):
     prompts = ["First prompt", "Second, longer prompt here", "x", "Fourth café ✓"]
     path = tmp_path / "prompts.txt"
@@ -213,13 +230,15 @@ def test_no_stream_prints_the_same_text(ckpt, gen, capsys):
         (["--presence-penalty", "3"], "presence_penalty=3.0"),
         (["--frequency-penalty", "-3"], "frequency_penalty=-3.0"),
         (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 0, got -1"),
-        (["--dtype", "int4"], "int4"),
+        (["--dtype", "int2"], "invalid choice: 'int2'"),
         (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--stop", ""], "--stop needs a non-empty string"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--top-k", "2.5"], "invalid int value: '2.5'"),
         (["--temperature", "warm"], "invalid float value: 'warm'"),
+        (["--group-size", "32"], "--group-size applies to --dtype int4 or int4-body only, not float32"),
+        (["--dtype", "int4", "--group-size", "48"], "argument --group-size: invalid choice: 48"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, mentions, ckpt, capsys):
@@ -297,9 +316,9 @@ def test_the_command_module_imports_no_torch_until_it_runs():
 
 def test_dtype_choices_are_every_load_dtype():
     # The choices are written out in cli.py (importing checkpoints would import torch before it runs).
-    from checkpoints import INT8_MODES
+    from checkpoints import QUANT_MODES
     from checkpoints.placement import DTYPES
 
     [action] = [a for a in build_parser()._actions if "--dtype" in a.option_strings]
     long_names = {name for name, dtype in DTYPES.items() if str(dtype).removeprefix("torch.") == name}
-    assert set(action.choices) == long_names | set(INT8_MODES)
+    assert set(action.choices) == long_names | set(QUANT_MODES)

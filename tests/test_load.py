@@ -103,10 +103,13 @@ def test_dtype_eval_mode_and_device(ckpt, dtype, expected):
 
 @pytest.mark.parametrize(
     ("dtype", "shown"),
-    [("int4", "'int4'"), ("float64", "'float64'"), (torch.int32, "torch.int32"), (torch.int8, "torch.int8")],
+    [("int2", "'int2'"), ("float64", "'float64'"), (torch.int32, "torch.int32"), (torch.int8, "torch.int8")],
 )
 def test_bad_dtype(ckpt, dtype, shown):
-    with pytest.raises(ValueError, match=f"unsupported dtype .*{shown}.*, or the names 'int8', 'int8-body'"):
+    with pytest.raises(
+        ValueError,
+        match=f"unsupported dtype .*{shown}.*, or the names 'int8', 'int8-body', 'int4', 'int4-body'",
+    ):
         checkpoints.load(ckpt[0], dtype=dtype)
 
 

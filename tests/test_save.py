@@ -105,11 +105,12 @@ def test_unsupported_dtype(tmp_path, model_dtype, dtype, shown):
     assert not (tmp_path / "ck").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("mode", ["int8", "int8-body"])
-def test_an_int8_model_is_refused_and_nothing_is_written(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["int8", "int8-body", "int4", "int4-body"])
+def test_a_quantized_model_is_refused_and_nothing_is_written(tmp_path, mode):
     source = checkpoints.save(make_model(CONFIGS["2x2x32"]), tmp_path / "source")
     quantized = checkpoints.load(source, dtype=mode)
-    expected = r"int8-quantized .*dtype='int8' or 'int8-body'.*float32 or bfloat16"
+    kind = mode[:4]
+    expected = rf"{kind}-quantized .*dtype='{kind}' or '{kind}-body'.*float32 or bfloat16"
     with pytest.raises(ValueError, match=expected):
         checkpoints.save(quantized, tmp_path / "out")
     assert not (tmp_path / "out").exists()

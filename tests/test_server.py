@@ -361,10 +361,26 @@ def small_server(tmp_path_factory):
     path = tmp_path_factory.mktemp("random")
     config = GPTConfig(vocab_size=50257, n_positions=512, n_embd=128, n_layer=4, n_head=2)
     checkpoints.save(make_model(config, seed=1), path)
-    s = Server("-c", str(path), "--max-slots", "1", "--max-queue", "1", "--api-key", "sesame")
+    # In int4 (group 64), so that a quantized model is served too.
+    options = ["--max-slots", "1", "--max-queue", "1", "--api-key", "sesame", "--dtype", "int4"]
+    s = Server("-c", str(path), *options, "--group-size", "64")
     s.wait_ready()
+    s.checkpoint = path
     yield s
     assert s.stop() == 0
+
+
+def test_an_int4_server_equals_the_offline_int4_api(small_server):
+    body = {"prompt": "To be, or not", "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    answer = httpx.post(
+        small_server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}
+    )
+    assert answer.status_code == 200
+    gen = generate.load(small_server.checkpoint, dtype="int4", group_size=64)
+    expected = gen.generate("To be, or not", max_new_tokens=12, temperature=0, logprobs=True)
+    choice = answer.json()["choices"][0]
+    assert choice["text"] == expected.text
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected.logprobs, abs=1e-6)
 
 
 def test_a_full_queue_answers_429_at_once_and_the_key_is_required(small_server):

@@ -1,9 +1,10 @@
-"""Quality cost of int8 weights on the shipped checkpoint, measured on its held-out text.
+"""Quality cost of int8 and int4 weights on the shipped checkpoint, measured on its held-out text.
 
-    python bench/int8_quality.py [--checkpoint shakespeare] [--tokens 16384]
+    python bench/quant_quality.py [--checkpoint shakespeare] [--tokens 16384]
 
-Teacher-forced over the held-out works (Macbeth, Twelfth Night): next-token top-1 agreement of the int8 model
-with our fp32 model, and both models' loss, for int8 with and without the output head quantized.
+Teacher-forced over the held-out works (Macbeth, Twelfth Night): next-token top-1 agreement of each quantized
+model with our fp32 model, and each model's loss, for int8 and int4 (at each group size) with and without
+the output head quantized.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import checkpoints
 from checkpoints.corpus import prepare
+from model.int4 import GROUP_SIZES
 
 
 @torch.inference_mode()
@@ -47,13 +49,18 @@ def main() -> None:
     reference = checkpoints.load(args.checkpoint)
     window = reference.config.n_positions
     ref_loss, ref_pred = evaluate(reference, tokens, window)
-    print(f"fp32: held-out loss {ref_loss:.4f} over {len(ref_pred)} tokens")
-    for mode, head in checkpoints.INT8_MODES.items():
-        model = checkpoints.load(args.checkpoint, dtype=mode)
-        loss, pred = evaluate(model, tokens, window)
-        agree = (pred == ref_pred).float().mean().item()
-        print(f"{mode} ({'head included' if head else 'head in bf16'}): loss {loss:.4f} "
-              f"({loss - ref_loss:+.4f} nats vs fp32), top-1 agreement with fp32 {agree:.2%}")  # fmt: skip
+    print(f"{len(ref_pred)} held-out tokens of {args.checkpoint}, windows of {window}")
+    print("| dtype | group size | output head | held-out loss | vs fp32 (nats) | top-1 agreement with fp32 |")
+    print("|---|---|---|---|---|---|")
+    print(f"| float32 | | fp32 | {ref_loss:.4f} | | |")
+    for mode, (bits, head) in checkpoints.QUANT_MODES.items():
+        for group_size in GROUP_SIZES if bits == 4 else [None]:
+            model = checkpoints.load(args.checkpoint, dtype=mode, group_size=group_size)
+            loss, pred = evaluate(model, tokens, window)
+            agree = (pred == ref_pred).float().mean().item()
+            group = group_size or "row"
+            print(f"| {mode} | {group} | {f'int{bits}' if head else 'bf16'} | {loss:.4f} | "
+                  f"{loss - ref_loss:+.4f} | {agree:.2%} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

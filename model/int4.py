@@ -1,0 +1,191 @@
+"""Int4 weight-only quantization: 4-bit codes in groups along each row, a bf16 scale and zero per group.
+
+A decode step's time is the time to read the weights; int4 is a quarter of bf16's bytes (plus one scale and
+zero per group). Each group of ``group_size`` weights along a row is mapped to codes 0..15 with
+``w ~= (code - 8) * scale + zero``, the form stock PyTorch's int4 kernels take: on the CPU
+``aten._weight_int4pack_mm_for_cpu`` and on CUDA ``aten._weight_int4pack_mm`` (both: bf16 activations,
+scales and zeros as one (K / group_size, N, 2) tensor). Each kernel wants its own packed layout, made by its
+``_convert_weight_to_int4pack*`` op, and the CPU one wants N a multiple of 16; rows are padded with zero rows
+to a multiple of :data:`ROW_BLOCK` (GPT-2's 50,257-row head becomes 50,304 rows) and the padded outputs are
+sliced off: every output column is its own row's sum, so the padding changes no real output.
+
+Codes are also kept plainly, two to a byte (even column in the low nibble), for the tied embedding's lookup:
+the kernel's layout is internal to it, and a lookup reads only the rows it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.embedding import TiedEmbedding
+
+COMPUTE_DTYPE = torch.bfloat16
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+# Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
+ROW_BLOCK = 64
+ROWS_PER_PASS = 4096  # bounds the fp32 and int32 temporaries (4096 rows of 3072: 48 MiB)
+INNER_K_TILES = 8  # CUDA's packing parameter (K must be a multiple of 16 * 8 = 128 there); the CPU ignores it
+
+
+def check_group_size(group_size: int, width: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``group_size`` is one of :data:`GROUP_SIZES` and divides ``width``."""
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+    if width is not None and width % group_size:
+        raise ValueError(
+            f"int4 with group_size {group_size} needs every linear layer's input width to be a multiple of "
+            f"it, but this model has one of width {width}; use a group size that divides it, or int8"
+        )
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per group of ``group_size`` columns: ``w ~= (code - 8) * scale + zero``.
+
+    Scale and zero are rounded to bf16 first and the codes chosen against the rounded values. Rows are
+    independent: quantizing a matrix in row pieces gives the same result.
+
+    Returns:
+        ``(codes, scales_zeros)``: uint8 (N, K / 2), two codes a byte (even column in the low nibble), and
+        bf16 (K / group_size, N, 2), the kernels' layout.
+    """
+    n, k = weight.shape
+    check_group_size(group_size, k)
+    codes = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
+    scales_zeros = torch.empty(k // group_size, n, 2, dtype=COMPUTE_DTYPE, device=weight.device)
+    for start in range(0, n, ROWS_PER_PASS):
+        rows = slice(start, start + ROWS_PER_PASS)
+        w = weight[rows].detach().float().view(-1, k // group_size, group_size)  # (n', G, g)
+        low, high = w.aminmax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=1e-12).to(COMPUTE_DTYPE).float()  # (n', G)
+        zero = (low + 8 * scale).to(COMPUTE_DTYPE).float()
+        q = ((w - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15).to(torch.uint8)
+        q = q.view(-1, k)
+        codes[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales_zeros[:, rows] = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(COMPUTE_DTYPE)
+    return codes, scales_zeros
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes two to a byte, (..., K / 2) uint8 -> one a byte, (..., K) uint8."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+
+
+def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix the codes stand for, (N, K): the reference the kernels are tested against."""
+    q = unpack_codes(codes).float()
+    groups = scales_zeros.shape[0]
+    s, z = scales_zeros.float().permute(2, 1, 0)  # (N, G) each
+    return ((q.view(q.shape[0], groups, -1) - 8) * s[..., None] + z[..., None]).view(q.shape)
+
+
+def _padded(rows: int) -> int:
+    return -(-rows // ROW_BLOCK) * ROW_BLOCK
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """The kernel layout for ``codes`` (N, K / 2) on their device, rows padded to a multiple of
+    :data:`ROW_BLOCK` with code 0 (their scales and zeros are 0 too, so they compute 0)."""
+    n, half = codes.shape
+    padded = torch.zeros(_padded(n), half, dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes
+    parts = []
+    for start in range(0, padded.shape[0], ROWS_PER_PASS):  # ROW_BLOCK-aligned pieces pack independently
+        piece = padded[start : start + ROWS_PER_PASS]
+        if piece.device.type == "cuda":  # CUDA's packing takes the even column in the high nibble
+            parts.append(
+                torch.ops.aten._convert_weight_to_int4pack((piece << 4) | (piece >> 4), INNER_K_TILES)
+            )
+        else:
+            q = unpack_codes(piece).to(torch.int32)
+            parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
+    return torch.cat(parts)
+
+
+def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
+    groups, n, _ = scales_zeros.shape
+    padded = scales_zeros.new_zeros(groups, _padded(n), 2)
+    padded[:, :n] = scales_zeros
+    return padded
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor, n: int):
+    """``x @ W.T`` for the int4 matrix W of ``n`` real rows: (..., K) -> (..., n), bf16."""
+    rows = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    if packed.device.type == "cuda":
+        y = torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_zeros)
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+    return y[:, :n].reshape(*x.shape[:-1], n)
+
+
+class Int4Linear(nn.Module):
+    """A quantized ``nn.Linear``: int4 weight in the kernel's layout, bf16 scales, zeros and bias."""
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None) -> None:  # fmt: skip
+        """From :func:`quantize_groups`' output for the layer's weight (N, K), and its bias."""
+        super().__init__()
+        self.group_size, self.out_features = group_size, codes.shape[0]
+        self.register_buffer("packed", pack(codes))
+        self.register_buffer("scales_zeros", _pad_scales(scales_zeros))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(COMPUTE_DTYPE))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        """Quantize an ``nn.Linear``."""
+        return cls(*quantize_groups(linear.weight, group_size), group_size, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int4_mm(x, self.packed, self.group_size, self.scales_zeros, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4TiedEmbedding(nn.Module):
+    """A quantized :class:`TiedEmbedding`: the head's product runs in the int4 kernel; the lookup
+    dequantizes the rows it needs from the plain codes (so both use the same int4 values)."""
+
+    def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> None:
+        """From :func:`quantize_groups`' output for the embedding's weight (V, C)."""
+        super().__init__()
+        self.group_size, self.vocab_size = group_size, codes.shape[0]
+        self.register_buffer("codes", codes)
+        self.register_buffer("packed", pack(codes))
+        self.register_buffer("scales_zeros", _pad_scales(scales_zeros))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = unpack_codes(self.codes[ids]).to(COMPUTE_DTYPE)  # (..., C)
+        s, z = self.scales_zeros[:, ids.reshape(-1)].permute(2, 1, 0)  # (rows, G) each
+        q = q.view(s.shape[0], s.shape[1], -1)  # (rows, G, g)
+        return ((q - 8) * s[..., None] + z[..., None]).view(*ids.shape, -1)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits, (..., n_embd) -> (..., vocab_size)."""
+        return int4_mm(x, self.packed, self.group_size, self.scales_zeros, self.vocab_size)
+
+
+def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, include_head: bool = True) -> bool:
+    """Replace ``parent``'s child ``name`` by its int4 form if it is a linear layer (or, with
+    ``include_head``, the tied embedding/head). Returns whether it did; the original child is dropped."""
+    child = getattr(parent, name)
+    if isinstance(child, nn.Linear):
+        setattr(parent, name, Int4Linear.from_linear(child, group_size))
+    elif include_head and isinstance(child, TiedEmbedding):
+        setattr(parent, name, Int4TiedEmbedding(*quantize_groups(child.weight, group_size), group_size))
+    else:
+        return False
+    return True
+
+
+def quantize_int4(
+    model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE, *, include_head: bool = True
+) -> nn.Module:
+    """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int4 in place;
+    everything else moves to bf16, the activation dtype. Returns the model, in eval mode (inference only)."""
+    check_group_size(group_size)
+    for module in list(model.modules()):
+        for name, _ in list(module.named_children()):
+            quantize_child_int4(module, name, group_size, include_head=include_head)
+    model.to(COMPUTE_DTYPE)  # floating-point tensors only: the codes stay uint8
+    return model.eval()
