@@ -58,7 +58,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.group_size is not None and not all(d.startswith("int4") for d in args.dtypes.split(",")):
+    int4_only = all(d.startswith("int4") for d in args.dtypes.split(","))
+    if args.group_size is not None and not args.worker and not int4_only:
         p.error("--group-size applies to int4 and int4-body only; pass those alone in --dtypes")
     unknown = set(args.measure.split(",")) - {"batch1", "batch8", "prefill"}
     if unknown:

@@ -25,7 +25,9 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
 ROW_BLOCK = 64
-ROWS_PER_PASS = 4096  # bounds the fp32 and int32 temporaries (4096 rows of 3072: 48 MiB)
+# Weights quantized or packed per pass: bounds the fp32 and int32 temporaries (2**20 weights: 4 MiB each), so
+# loading never holds much more than the quantized model (GPT-2's head packed at once took 126 MB more).
+WEIGHTS_PER_PASS = 2**20
 INNER_K_TILES = 8  # CUDA's packing parameter (K must be a multiple of 16 * 8 = 128 there); the CPU ignores it
 
 
@@ -54,14 +56,15 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     check_group_size(group_size, k)
     codes = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
     scales_zeros = torch.empty(k // group_size, n, 2, dtype=COMPUTE_DTYPE, device=weight.device)
-    for start in range(0, n, ROWS_PER_PASS):
-        rows = slice(start, start + ROWS_PER_PASS)
+    step = _rows_per_pass(k)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
         w = weight[rows].detach().float().view(-1, k // group_size, group_size)  # (n', G, g)
         low, high = w.aminmax(dim=-1)
         scale = ((high - low) / 15).clamp(min=1e-12).to(COMPUTE_DTYPE).float()  # (n', G)
         zero = (low + 8 * scale).to(COMPUTE_DTYPE).float()
-        q = ((w - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15).to(torch.uint8)
-        q = q.view(-1, k)
+        q = w - zero[..., None]  # one temporary, then in place
+        q = q.div_(scale[..., None]).add_(8).round_().clamp_(0, 15).to(torch.uint8).view(-1, k)
         codes[rows] = q[:, 0::2] | (q[:, 1::2] << 4)
         scales_zeros[:, rows] = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(COMPUTE_DTYPE)
     return codes, scales_zeros
@@ -84,23 +87,38 @@ def _padded(rows: int) -> int:
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
 
+def _rows_per_pass(width: int) -> int:
+    return max(ROW_BLOCK, WEIGHTS_PER_PASS // width // ROW_BLOCK * ROW_BLOCK)
+
+
+def _pack_piece(piece: torch.Tensor) -> torch.Tensor:
+    if piece.device.type == "cuda":  # CUDA's packing takes the even column in the high nibble
+        return torch.ops.aten._convert_weight_to_int4pack((piece << 4) | (piece >> 4), INNER_K_TILES)
+    q = unpack_codes(piece).to(torch.int32)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+
+
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """The kernel layout for ``codes`` (N, K / 2) on their device, rows padded to a multiple of
-    :data:`ROW_BLOCK` with code 0 (their scales and zeros are 0 too, so they compute 0)."""
+    :data:`ROW_BLOCK` with code 0 (their scales and zeros are 0 too, so they compute 0).
+
+    Packed in passes of whole row blocks, which pack independently (both layouts keep a row block's bytes
+    together, in row order along the first dimension), into one preallocated tensor.
+    """
     n, half = codes.shape
-    padded = torch.zeros(_padded(n), half, dtype=torch.uint8, device=codes.device)
-    padded[:n] = codes
-    parts = []
-    for start in range(0, padded.shape[0], ROWS_PER_PASS):  # ROW_BLOCK-aligned pieces pack independently
-        piece = padded[start : start + ROWS_PER_PASS]
-        if piece.device.type == "cuda":  # CUDA's packing takes the even column in the high nibble
-            parts.append(
-                torch.ops.aten._convert_weight_to_int4pack((piece << 4) | (piece >> 4), INNER_K_TILES)
-            )
-        else:
-            q = unpack_codes(piece).to(torch.int32)
-            parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES))
-    return torch.cat(parts)
+    total, step = _padded(n), _rows_per_pass(2 * half)
+    out = None
+    for start in range(0, total, step):
+        piece = codes[start : start + step]
+        rows = min(step, total - start)
+        if piece.shape[0] < rows:  # the last pass: pad with code 0
+            piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], half)])
+        packed = _pack_piece(piece)
+        per_row = packed.shape[0] / rows  # CUDA's first dimension counts 8-row tiles
+        if out is None:
+            out = packed.new_empty(round(total * per_row), *packed.shape[1:])
+        out[round(start * per_row) : round((start + rows) * per_row)] = packed
+    return out
 
 
 def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ def test_rows_and_packing_in_passes_equal_one_pass(monkeypatch):
     w = torch.randn(300, 64)  # 300 rows: padded to 320, packed in 64-row passes, the last one short
     whole = quantize_groups(w, 32)
     packed = int4.pack(whole[0])
-    monkeypatch.setattr("model.int4.ROWS_PER_PASS", 64)
+    monkeypatch.setattr("model.int4.WEIGHTS_PER_PASS", 64 * 64)  # one row block a pass
     parts = quantize_groups(w, 32)
     assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1])
     assert torch.equal(int4.pack(parts[0]), packed)
