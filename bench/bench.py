@@ -54,6 +54,18 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a checkpoint directory in the Hugging Face GPT-2 layout (config.json, model.safetensors), e.g. "
         "checkpoints/shakespeare (default: random weights of GPT-2 124M geometry)",
     )
+    p.add_argument(
+        "--llama-bench",
+        metavar="BIN",
+        help="llama.cpp's llama-bench binary: also time the --gguf files (decode at batch 1, prefill)",
+    )
+    p.add_argument(
+        "--gguf",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="GGUF files of the same model for --llama-bench (e.g. its Q4_0 and Q8_0 conversions)",
+    )
     p.add_argument("--worker", choices=["ours", "compiled", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -61,6 +73,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     int4_only = all(d.startswith("int4") for d in args.dtypes.split(","))
     if args.group_size is not None and not args.worker and not int4_only:
         p.error("--group-size applies to int4 and int4-body only; pass those alone in --dtypes")
+    if bool(args.llama_bench) != bool(args.gguf):
+        p.error("--llama-bench and --gguf go together: the binary and the GGUF files it times")
     unknown = set(args.measure.split(",")) - {"batch1", "batch8", "prefill"}
     if unknown:
         p.error(f"--measure: unknown {', '.join(sorted(unknown))}; choose from batch1, batch8, prefill")
@@ -379,6 +393,43 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
     return rows
 
 
+def llama_cpp(binary: str, files: list[str], threads: int, rounds: int, new: int, prompt: int) -> None:
+    """Time GGUF files with llama.cpp's ``llama-bench`` (its JSON output): decode of ``new`` tokens at batch
+    1 and a ``prompt``-token prefill, ``rounds`` repetitions, ``threads`` threads; print its figures."""
+    for path in files:
+        command = [
+            binary,
+            "-m",
+            path,
+            "-t",
+            str(threads),
+            "-r",
+            str(rounds),
+            "-p",
+            str(prompt),
+            "-n",
+            str(new),
+        ]
+        try:
+            done = subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=True)
+            rows = json.loads(done.stdout)
+        except (OSError, subprocess.CalledProcessError, ValueError) as e:
+            print(f"[llama.cpp] {path}: llama-bench failed ({e})", flush=True)
+            continue
+        for row in rows:
+            what = (
+                f"decode batch 1 ({row['n_gen']} new)"
+                if row.get("n_gen")
+                else f"prefill {row['n_prompt']} tokens"
+            )
+            rate = f"{row['avg_ts']:8.2f} tok/s (sd {row.get('stddev_ts', 0):.2f})"
+            if not row.get("n_gen"):
+                rate += f", {1000 * row['n_prompt'] / row['avg_ts']:.0f} ms"
+            kind = row.get("model_type", Path(path).name)
+            print(f"[llama.cpp {kind}] {what}: {rate}; {row.get('n_threads')} threads, {Path(path).name}",
+                  flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     if args.worker:
@@ -405,6 +456,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model: {args.model or 'GPT-2 124M geometry, random weights'}", flush=True)
         for dtype in args.dtypes.split(","):
             run_dtype(directory, dtype, args, compile_dir)  # compiled steps in a fresh cache: a cold start
+    if args.llama_bench:
+        rounds = args.rounds or (2 if args.quick else 5)
+        new, prompt = (32, 128) if args.quick else (128, 512)
+        llama_cpp(args.llama_bench, args.gguf, torch.get_num_threads(), rounds, new, prompt)
 
 
 if __name__ == "__main__":
