@@ -153,7 +153,7 @@ def test_missing_path_and_unreadable_file(ckpt, tmp_path, capsys, monkeypatch):
         (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--stop", ""], "--stop needs a non-empty string"),
-        (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+        (["--dtype", "int2"], "argument --dtype: invalid choice: 'int2'"),
         (["--device", "toaster"], "unknown device 'toaster'"),
         (["--device", "cuda"], "device 'cuda' is not available"),
         (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
