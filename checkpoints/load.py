@@ -108,12 +108,19 @@ def _directory_files(directory: Path) -> list[Path]:
 
 
 def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> tuple[GPTConfig, list[Path]]:
+    if isinstance(source, str) and not source.strip():
+        raise CheckpointError(
+            "the checkpoint path is empty; give a directory, a .safetensors file or a shipped name "
+            f"({_shipped_list()})"
+        )
     path = Path(source).expanduser()
-    if not path.exists():
+    if isinstance(source, str) and source in shipped_names():
+        # A shipped name is the shipped checkpoint, even where the working directory has a folder of that
+        # name (write ./name for the folder).
+        path = SHIPPED_DIR / source
+    elif not path.exists():
         name = str(source)
-        if (SHIPPED_DIR / name / "config.json").is_file() and "/" not in name:
-            path = SHIPPED_DIR / name
-        elif _is_hub_id(name) and not Path(name.split("/")[0]).is_dir():  # "runs/x" is a local path
+        if _is_hub_id(name) and not Path(name.split("/")[0]).is_dir():  # "runs/x" is a local path
             path = _from_hub(name)
         else:
             raise CheckpointError(f"checkpoint path {name} does not exist")
@@ -124,7 +131,8 @@ def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> 
         if config is None:
             if not (path.parent / "config.json").is_file():
                 raise CheckpointError(
-                    f"{path} has no config.json beside it; pass config= (a GPTConfig or a preset name)"
+                    f"{path} has no config.json beside it; put the model's config.json there (or, from "
+                    "Python, pass config=: a GPTConfig or a preset name such as 'gpt2')"
                 )
             return read_config(path.parent / "config.json"), [path]
         return _config(config), [path]

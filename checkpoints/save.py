@@ -53,9 +53,11 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
         The directory.
 
     Raises:
-        ValueError: for an unsupported ``dtype``, or an int8- or int4-quantized model (its linear layers
-            hold quantized matrices and scales, which the GPT-2 layout has no place for).
+        ValueError: for an empty ``directory``, an unsupported ``dtype``, or an int8- or int4-quantized model
+            (its linear layers hold quantized matrices and scales, which the GPT-2 layout has no place for).
     """
+    if isinstance(directory, str) and not directory.strip():
+        raise ValueError('the directory to save into is empty; give a directory path ("." for this one)')
     quantized = {Int8Linear: "int8", Int8TiedEmbedding: "int8", Int4Linear: "int4", Int4TiedEmbedding: "int4"}
     kind = next((quantized[type(m)] for m in model.modules() if type(m) in quantized), None)
     if kind is not None:

@@ -63,7 +63,9 @@ class Generator:
         """Prompt text to token ids. ``"<|endoftext|>"`` in the text is plain text, not the special token;
         an empty prompt becomes ``[<|endoftext|>]``, so the model starts as at a document's beginning."""
         if not isinstance(prompt, str):
-            raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}")
+            binary = isinstance(prompt, (bytes, bytearray))
+            hint = "; decode it first (e.g. .decode('utf-8'))" if binary else ""
+            raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}{hint}")
         return self.tokenizer.encode_ordinary(prompt) or [checkpoints.EOT_ID]
 
     def engine(self, slots: int, max_len: int) -> Engine:
@@ -167,6 +169,8 @@ class Generator:
                        frequency_penalty=frequency_penalty, stop=stop, logprobs=logprobs)  # fmt: skip
         if isinstance(prompt, str):
             return self._drain(self._run([self.encode(prompt)], options, seed))[0]
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            self.encode(prompt)  # raises, naming the type (bytes would otherwise read as a list of ints)
         ids = [self.encode(p) for p in prompt]
         if not ids:
             return []  # a batch of no prompts has no completions

@@ -13,13 +13,16 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 if TYPE_CHECKING:
     from generate.api import Generator
 
 DEFAULT_CHECKPOINT = "shakespeare"  # generate.api.DEFAULT_CHECKPOINT, repeated so --help needs no torch
 MAX_BATCH_SIZE = 65_536  # far beyond any memory: each row holds ~2.4 MB of vocabulary-sized state alone
+# The most a prompts file or standard input may hold: /dev/zero or an endless pipe ends in an error, not in
+# memory running out. 64 MiB is about 15 million tokens of English, far past any window.
+MAX_INPUT_BYTES = 64 * 2**20
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty")  # fmt: skip
 DESCRIPTION = """\
@@ -141,15 +144,22 @@ def _argument_prompt(prompt: str, parser: argparse.ArgumentParser) -> str:
     return prompt
 
 
+def _read_bounded(f: BinaryIO, what: str) -> bytes:
+    data = f.read(MAX_INPUT_BYTES + 1)
+    if len(data) > MAX_INPUT_BYTES:
+        raise ValueError(f"{what} holds more than {MAX_INPUT_BYTES:,} bytes; give a shorter input")
+    return data
+
+
 def _read_file(path: str) -> list[tuple[int, str]]:
     """The non-blank lines of a prompts file with their 1-based line numbers (blank lines counted)."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = _read_bounded(f, f"prompts file {path}")
     except OSError as e:
         raise ValueError(f"cannot read prompts file {path}: {e}") from e
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the text
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise ValueError(
@@ -172,9 +182,9 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return [(None, _argument_prompt(args.prompt, parser))]
     if sys.stdin is None or sys.stdin.isatty():
         parser.error("no prompt: give one as an argument, or pipe it to standard input")
-    data = sys.stdin.buffer.read()
+    data = _read_bounded(sys.stdin.buffer, "standard input")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt
     except UnicodeDecodeError as e:
         raise ValueError(f"standard input is not valid UTF-8 (byte {e.start}); convert it to UTF-8") from e
     # One line ending, as `echo` or a Windows editor writes it, ends the prompt; it is not part of it.

@@ -38,19 +38,26 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
+        def finite(value: object) -> bool:  # a real number a float can hold (10**400 cannot)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return False
+            try:
+                return math.isfinite(value)
+            except OverflowError:
+                return False
+
         def check(name: str, ok: bool, valid: str) -> None:
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(value)
-                or not ok
-            ):
+            if not finite(value):
+                shown = f"{value!r}"
+                shown = shown if len(shown) <= 40 else f"{shown[:20]}...({len(shown)} characters)"
+                raise ValueError(f"{name}={shown} is not a finite number; {name} must be {valid}")
+            if not ok:
                 raise ValueError(f"{name}={value!r} is out of range; {name} must be {valid}")
 
         def number(name: str) -> float:
             value = getattr(self, name)
-            return value if isinstance(value, numbers.Real) and math.isfinite(value) else math.nan
+            return value if finite(value) else math.nan
 
         check("temperature", number("temperature") >= 0, ">= 0 (0 means greedy)")
         check(
@@ -114,7 +121,11 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Returns:
         (B, V) logits; at least the most likely token of each row stays finite.
     """
-    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf.
+    # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf. A
+    # temperature below the dtype's smallest normal number (fp32: 1.2e-38) would round to 0 and make the top
+    # logit 0/0: such rows are divided in float64, which holds every positive float.
+    if params.temperature < torch.finfo(logits.dtype).tiny:
+        logits = logits.double()
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)

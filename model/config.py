@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Activation names as they appear in Hugging Face config.json files. GPT-2 uses "gelu_new", the tanh
@@ -48,10 +49,9 @@ class GPTConfig:
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"choose n_head among the divisors of {self.n_embd}"
             )
-        if not (isinstance(self.layer_norm_epsilon, (int, float)) and self.layer_norm_epsilon > 0):
-            raise ValueError(
-                f"GPTConfig.layer_norm_epsilon must be a positive number, got {self.layer_norm_epsilon!r}"
-            )
+        eps = self.layer_norm_epsilon
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < math.inf):
+            raise ValueError(f"GPTConfig.layer_norm_epsilon must be a positive finite number, got {eps!r}")
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(
                 f"GPTConfig.activation_function {self.activation_function!r} is not supported; "

@@ -322,3 +322,36 @@ def test_dtype_choices_are_every_load_dtype():
     [action] = [a for a in build_parser()._actions if "--dtype" in a.option_strings]
     long_names = {name for name, dtype in DTYPES.items() if str(dtype).removeprefix("torch.") == name}
     assert set(action.choices) == long_names | set(QUANT_MODES)
+
+
+def test_a_byte_order_mark_is_not_part_of_the_prompt(ckpt, capsys, monkeypatch, tmp_path):
+    args = ["-c", ckpt, "--json", "-t", "0", "-n", "4"]
+    set_stdin(monkeypatch, b"\xef\xbb\xbfThe quick")
+    assert main(args) == 0
+    [with_mark] = json_lines(capsys.readouterr().out)
+    set_stdin(monkeypatch, b"The quick")
+    assert main(args) == 0
+    [without] = json_lines(capsys.readouterr().out)
+    assert with_mark["prompt"] == "The quick" and with_mark["token_ids"] == without["token_ids"]
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"\xef\xbb\xbfThe quick\n")
+    assert main([*args, "--prompts-file", str(path)]) == 0
+    assert json_lines(capsys.readouterr().out)[0]["token_ids"] == without["token_ids"]
+
+
+def test_endless_input_ends_in_one_error_line(ckpt, capsys, monkeypatch):
+    import generate.cli as cli
+
+    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 2**20)  # the real bound is 64 MiB: the same path, sooner
+    assert main(["--prompts-file", "/dev/zero", "-c", ckpt]) == 1
+    assert "prompts file /dev/zero holds more than 1,048,576 bytes" in assert_one_error_line(
+        capsys.readouterr().err
+    )
+    set_stdin(monkeypatch, b"x" * (2**20 + 1))
+    assert main(["-c", ckpt]) == 1
+    assert "standard input holds more than 1,048,576 bytes" in assert_one_error_line(capsys.readouterr().err)
+
+
+def test_an_empty_checkpoint_path_is_one_error_line(capsys):
+    assert main(["Hello", "-c", ""]) == 1
+    assert "the checkpoint path is empty" in assert_one_error_line(capsys.readouterr().err)

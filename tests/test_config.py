@@ -39,7 +39,16 @@ def test_preset_overrides_and_exact_names():
         ({"n_inner": 0}, "n_inner must be a positive integer or None"),
         ({"activation_function": "swiglu"}, "activation_function 'swiglu' is not supported; use one of"),
         ({"attn_pdrop": 1.0}, r"attn_pdrop must be in \[0, 1\)"),
-        ({"layer_norm_epsilon": 0}, "layer_norm_epsilon must be a positive number"),
+        ({"layer_norm_epsilon": 0}, "layer_norm_epsilon must be a positive finite number"),
+        (
+            {"layer_norm_epsilon": float("inf")},
+            "layer_norm_epsilon must be a positive finite number, got inf",
+        ),
+        (
+            {"layer_norm_epsilon": float("nan")},
+            "layer_norm_epsilon must be a positive finite number, got nan",
+        ),
+        ({"layer_norm_epsilon": True}, "layer_norm_epsilon must be a positive finite number, got True"),
     ],
 )
 def test_invalid_values_name_the_field_and_fix(changes, match):

@@ -141,7 +141,8 @@ def test_missing_path_and_unreadable_file(ckpt, tmp_path, capsys, monkeypatch):
     ("argv", "pattern"),
     [
         (["--temperature", "-1"], "temperature=-1.0 is out of range"),
-        (["--temperature", "nan"], "temperature=nan is out of range"),
+        (["--temperature", "nan"], "temperature=nan is not a finite number"),
+        (["--temperature", "inf"], "temperature=inf is not a finite number; temperature must be >= 0"),
         (["--top-k", "-1"], "top_k=-1 is out of range"),
         (["--top-p", "0"], r"top_p=0.0 is out of range; top_p must be in \(0, 1\]"),
         (["--top-p", "1.5"], "top_p=1.5 is out of range"),

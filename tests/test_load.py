@@ -332,7 +332,8 @@ def test_file_and_config_argument_errors(ckpt):
     path = ckpt[0] / "model.safetensors"
     moved = ckpt[0].parent / "alone.safetensors"
     path.rename(moved)
-    with pytest.raises(CheckpointError, match=r"has no config\.json beside it; pass config="):
+    expected = r"has no config\.json beside it; put the model.s config\.json there \(or, from Python, pass"
+    with pytest.raises(CheckpointError, match=expected):
         checkpoints.load(moved)
     with pytest.raises(CheckpointError, match="config='gpt3': unknown preset 'gpt3'"):
         checkpoints.load(moved, config="gpt3")
@@ -435,3 +436,29 @@ def test_loading_builds_on_meta_without_importing_the_compiler(tmp_path, dtype):
         [sys.executable, "-c", code, str(directory), dtype], cwd=root, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_shipped_name_means_the_shipped_checkpoint_whatever_the_working_directory_holds(
+    monkeypatch, tmp_path
+):
+    # A folder of the shipped name in the working directory, empty or holding another checkpoint, changes
+    # nothing: the name is the shipped model; "./shakespeare" is the folder.
+    import generate
+
+    save_hf(tmp_path / "shakespeare", seed=3, **SMALL)
+    monkeypatch.chdir(tmp_path)
+    shipped = checkpoints.load("shakespeare")
+    assert shipped.config.n_embd != SMALL["n_embd"] and shipped.num_parameters() > 10**7
+    assert generate.load("shakespeare").model.config == shipped.config
+    assert checkpoints.load("./shakespeare").config.n_embd == SMALL["n_embd"]
+    (tmp_path / "shakespeare" / "config.json").unlink()  # a broken folder of that name: still the shipped one
+    assert checkpoints.load("shakespeare").config == shipped.config
+
+
+@pytest.mark.parametrize("source", ["", "  "])
+def test_an_empty_path_is_an_error_not_the_working_directory(monkeypatch, tmp_path, source):
+    save_hf(tmp_path, seed=3, **SMALL)  # a checkpoint right in the working directory
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="the checkpoint path is empty; give a directory"):
+        checkpoints.load(source)
+    assert checkpoints.load(".").config.n_embd == SMALL["n_embd"]  # "." names it explicitly

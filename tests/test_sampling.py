@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from generate.sampling import SamplingParams, apply_penalties, choose, filter_logits
+from generate.sampling import SamplingParams, apply_penalties, choose, filter_logits, sample_row
 
 V = 20
 
@@ -77,11 +77,34 @@ def finite_set(row: torch.Tensor) -> set[int]:
         ("frequency_penalty", -3.0),
         ("frequency_penalty", False),
         ("temperature", "1.0"),
+        ("temperature", 10**400),  # an int no float holds: refused, not an OverflowError
     ],
 )
 def test_out_of_range_parameter_raises_naming_it(name, value):
-    with pytest.raises(ValueError, match=rf"^{name}=.* is out of range; {name} must be "):
+    expected = rf"^{name}=.* is (out of range|not a finite number); {name} must be "
+    with pytest.raises(ValueError, match=expected):
         SamplingParams(**{name: value})
+
+
+def test_infinity_is_said_to_be_not_finite_and_a_huge_value_is_shortened():
+    with pytest.raises(ValueError, match=r"^temperature=inf is not a finite number; temperature must be >="):
+        SamplingParams(temperature=math.inf)
+    with pytest.raises(ValueError, match=r"^temperature=10000000000000000000\.\.\.\(401 characters\) is not"):
+        SamplingParams(temperature=10**400)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-30])
+def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
+    # Below fp32's smallest normal number the temperature would round to 0 (0/0 at the top logit); such
+    # rows are divided in float64. The limit of a temperature going to 0 is the argmax (ties shared).
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    logits[2, 7] = logits[2].max() + 1e-3  # a clear winner by a hair
+    params = SamplingParams(temperature=temperature)
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert torch.equal(choose(logits, params, generators), logits.argmax(-1))
+    token, logprob, _ = sample_row(logits[0], params, generators[0], logprobs=True)
+    assert token == int(logits[0].argmax()) and math.isfinite(logprob)
 
 
 @pytest.mark.parametrize(

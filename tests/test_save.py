@@ -156,3 +156,11 @@ def test_saving_over_a_sharded_checkpoint_replaces_it(tmp_path):
     checkpoints.save(new, tmp_path / "ck")
     assert torch.equal(checkpoints.load(tmp_path / "ck").wte.weight, new.wte.weight)
     assert not [p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("model-")]
+
+
+@pytest.mark.parametrize("directory", ["", " "])
+def test_an_empty_directory_is_refused_and_nothing_is_written(monkeypatch, tmp_path, directory):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"the directory to save into is empty; give a directory path"):
+        checkpoints.save(our_model(), directory)
+    assert list(tmp_path.iterdir()) == []
