@@ -306,6 +306,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
 def main(argv: list[str] | None = None, prog: str = "generate") -> int:
     """Run the command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     out = _Output()
+    if sys.stdout is None:  # started with standard output closed (`>&-`): nowhere to write the text
+        print(f"{prog}: error: standard output is closed; redirect it to a file instead", file=sys.stderr)
+        return 1
     try:
         parser = build_parser(prog)
         _generate(parser.parse_args(argv), parser, out)

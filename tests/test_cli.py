@@ -355,3 +355,13 @@ def test_endless_input_ends_in_one_error_line(ckpt, capsys, monkeypatch):
 def test_an_empty_checkpoint_path_is_one_error_line(capsys):
     assert main(["Hello", "-c", ""]) == 1
     assert "the checkpoint path is empty" in assert_one_error_line(capsys.readouterr().err)
+
+
+def test_a_closed_standard_output_is_one_error_line(ckpt):
+    # `generate x >&-`: the process starts without file descriptor 1.
+    code = "import os, subprocess, sys; os.close(1); sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    command = [sys.executable, "-c", code, sys.executable, "-m", "generate", "x", "-c", ckpt, "-n", "3"]
+    result = subprocess.run(command, stderr=subprocess.PIPE, cwd=ROOT, timeout=120)
+    assert result.returncode == 1
+    line = assert_one_error_line(result.stderr.decode())
+    assert line == "generate: error: standard output is closed; redirect it to a file instead"
