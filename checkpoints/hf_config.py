@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.errors import CheckpointError
+from checkpoints.safetensors_io import check_regular_file
 from checkpoints.tokenizer import EOT_ID
 from model import GPTConfig
+
+MAX_CONFIG_BYTES = 2**20  # real ones are about 1 KB; a bound keeps a huge or endless file from being read
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig))
 # Options of GPT2Config that change the computation in ways this model does not implement, with the value
@@ -56,7 +59,12 @@ def read_config(path: Path) -> GPTConfig:
         CheckpointError: if the file is missing, unreadable, not a JSON object, or has impossible values.
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        check_regular_file(path)
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{path} holds more than {MAX_CONFIG_BYTES:,} bytes: not a config.json")
+        text = data.decode("utf-8")
     except FileNotFoundError as e:
         raise CheckpointError(f"{path} does not exist; a checkpoint directory needs a config.json") from e
     except (OSError, UnicodeDecodeError) as e:

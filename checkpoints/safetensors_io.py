@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +32,11 @@ def read_header(path: Path) -> dict[str, dict]:
     """Validate a safetensors file's header against its size and return ``{name: {dtype, shape, ...}}``.
 
     Raises:
-        CheckpointError: if the file is unreadable, too short, not safetensors, or truncated.
+        CheckpointError: if the file is unreadable, not a regular file, too short, not safetensors, truncated,
+            or its tensors' byte ranges overlap or leave gaps (the safetensors library's own rule).
     """
     try:
-        size = path.stat().st_size
+        size = check_regular_file(path).st_size
         with path.open("rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -67,11 +69,41 @@ def read_header(path: Path) -> dict[str, dict]:
                 "a shape list of integers and two integer data_offsets"
             )
         end = max(end, info["data_offsets"][1])
+    _check_ranges(path, header)
     if 8 + header_len + end > size:
         raise CheckpointError(
             f"{path} is truncated: its tensors need {8 + header_len + end} bytes but the file has {size}"
         )
     return header
+
+
+def check_regular_file(path: Path) -> os.stat_result:
+    """``path``'s status, if it is a regular file (or a link to one): a FIFO or a device would block or never
+    end when read.
+
+    Raises:
+        CheckpointError: naming what it is instead.
+        OSError: if it cannot be examined (missing, no permission).
+    """
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):
+        kind = "a directory" if stat.S_ISDIR(status.st_mode) else "a FIFO, socket or device"
+        raise CheckpointError(f"{path} is {kind}, not a regular file; give the path of the file itself")
+    return status
+
+
+def _check_ranges(path: Path, header: dict[str, dict]) -> None:
+    """Tensors' byte ranges must follow one another from 0, without overlap or gap, as in the safetensors
+    library (it refuses other files): two tensors sharing bytes would alias each other's weights."""
+    position = 0
+    for begin, stop, name in sorted((*info["data_offsets"], name) for name, info in header.items()):
+        if begin != position or stop < begin:
+            raise CheckpointError(
+                f"{path} is not a valid safetensors file: tensor {name!r} occupies bytes {begin}..{stop} "
+                f"of the data but the tensors before it end at byte {position} (tensors must follow one "
+                "another without overlap or gap)"
+            )
+        position = stop
 
 
 def _valid_entry(info: object) -> bool:

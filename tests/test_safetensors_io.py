@@ -127,3 +127,56 @@ def test_model_key(file_key, expected):
 )  # fmt: skip
 def test_file_shape_transposes_only_conv1d_weights(name, shape, expected):
     assert file_shape(name, shape) == expected
+
+
+def _rewrite_header(path, change) -> None:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    path.write_bytes(header_bytes(header) + raw[8 + n :])
+
+
+@pytest.mark.parametrize("flaw", ["overlap", "gap"])
+def test_overlapping_or_gapped_byte_ranges_are_refused_as_the_safetensors_library_refuses_them(ckpt, flaw):
+    from safetensors import safe_open
+
+    path = ckpt[0] / "model.safetensors"
+
+    def change(header):
+        weight, bias = header["transformer.h.0.ln_1.weight"], header["transformer.h.0.ln_1.bias"]
+        if flaw == "overlap":  # the bias reads the weight's bytes: both parameters would share them
+            bias["data_offsets"] = list(weight["data_offsets"])
+        else:  # the same size, moved one element on: a gap before it, an overlap after
+            bias["data_offsets"] = [b + 4 for b in bias["data_offsets"]]
+
+    _rewrite_header(path, change)
+    # (the library's own error types vary between versions)
+    with pytest.raises(Exception), safe_open(path, "pt") as f:  # noqa: B017
+        f.get_tensor("transformer.h.0.ln_1.bias")
+    with pytest.raises(
+        CheckpointError, match=r"not a valid safetensors file: tensor .* occupies bytes \d+\.\.\d+"
+    ):
+        checkpoints.load(ckpt[0])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(ckpt, name):
+    import os
+    import signal
+
+    path = ckpt[0] / name
+    path.unlink()
+    os.mkfifo(path)
+    signal.alarm(30)  # opening a FIFO for reading blocks until a writer comes: a regression would hang here
+    try:
+        with pytest.raises(CheckpointError, match=rf"{name} is a FIFO, socket or device, not a regular file"):
+            checkpoints.load(ckpt[0])
+    finally:
+        signal.alarm(0)
+
+
+def test_a_huge_config_json_is_refused_unread(ckpt):
+    (ckpt[0] / "config.json").write_bytes(b" " * (2**20 + 1))
+    with pytest.raises(CheckpointError, match=r"config\.json holds more than 1,048,576 bytes"):
+        checkpoints.load(ckpt[0])
