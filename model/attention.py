@@ -8,6 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The kept causal mask covers at most this many positions (4 MiB of bools); a longer sequence builds its own
+# per call. A model of 40,000 positions once held a 1.6 GB mask it might never use.
+MASK_BUFFER_POSITIONS = 2048
+
 
 class CausalAttention(nn.Module):
     """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output).
@@ -15,8 +19,9 @@ class CausalAttention(nn.Module):
     Two ways to call it:
 
     - The reference: the whole sequence at once, no cache. The causal mask is built once, as
-      ``torch.triu(ones, diagonal=1)`` (True = may not attend), kept as a non-persistent buffer, sliced to
-      the sequence and applied with ``-inf`` before the softmax.
+      ``torch.triu(ones, diagonal=1)`` (True = may not attend), kept as a non-persistent buffer (of up to
+      :data:`MASK_BUFFER_POSITIONS` positions; longer sequences build theirs per call), sliced to the
+      sequence and applied with ``-inf`` before the softmax.
     - Over a KV cache, with explicit positions: every row has its own positions. The new keys and values are
       written into the row's cache at those positions (an index write), and a query at position ``p`` attends
       to the cached keys at positions ``<= p`` (a mask made from positions). Rows never share an offset.
@@ -63,7 +68,8 @@ class CausalAttention(nn.Module):
 
     @staticmethod
     def _causal_mask(context_length: int, device: torch.device | None) -> torch.Tensor:
-        ones = torch.ones(context_length, context_length, dtype=torch.bool, device=device)
+        size = min(context_length, MASK_BUFFER_POSITIONS)
+        ones = torch.ones(size, size, dtype=torch.bool, device=device)
         if ones.is_meta:  # shapes only; reset_buffers() builds the mask once the model has real memory
             return ones  # (a meta triu runs a Python reference that imports torch._dynamo, 75 MB resident)
         return torch.triu(ones, diagonal=1)
@@ -85,6 +91,8 @@ class CausalAttention(nn.Module):
                 f"sequence of {t} positions exceeds this attention's context_length "
                 f"({self.context_length}); shorten the input"
             )
+        if t > self.mask.shape[0]:  # past the kept buffer: this call's own (its scores are larger still)
+            return torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.mask.device), diagonal=1)
         return self.mask[:t, :t]
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:

@@ -118,3 +118,24 @@ def test_errors_name_the_limit():
         attn(torch.randn(1, 9, 4))
     with pytest.raises(ValueError, match="attention over a KV cache needs the positions"):
         attn(torch.randn(1, 3, 4), kv=(torch.zeros(1, 1, 8, 4), torch.zeros(1, 1, 8, 4)))
+
+
+def test_a_long_window_keeps_a_bounded_mask_and_builds_longer_ones_per_call(monkeypatch):
+    # A model of many positions must not hold an n_positions-squared mask (40,000 positions: 1.6 GB).
+    import model.attention as attention
+
+    monkeypatch.setattr(attention, "MASK_BUFFER_POSITIONS", 8)
+    torch.manual_seed(0)
+    attn = CausalAttention(16, 16, context_length=20, dropout=0.0, num_heads=2).eval()
+    assert attn.mask.shape == (8, 8)
+    x = torch.randn(2, 20, 16)
+    with torch.no_grad():
+        weights = attn.attention_weights(x)  # 20 positions: past the kept mask
+        out = attn(x)
+    above = torch.ones(20, 20, dtype=torch.bool).triu(1)
+    assert (weights[:, :, above] == 0).all() and torch.allclose(weights.sum(-1), torch.ones(2, 2, 20))
+    monkeypatch.setattr(attention, "MASK_BUFFER_POSITIONS", 2048)
+    whole = CausalAttention(16, 16, context_length=20, dropout=0.0, num_heads=2).eval()
+    whole.load_state_dict(attn.state_dict())
+    with torch.no_grad():
+        assert torch.equal(whole(x), out)  # the same arithmetic as with the whole mask kept

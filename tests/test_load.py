@@ -462,3 +462,20 @@ def test_an_empty_path_is_an_error_not_the_working_directory(monkeypatch, tmp_pa
     with pytest.raises(CheckpointError, match="the checkpoint path is empty; give a directory"):
         checkpoints.load(source)
     assert checkpoints.load(".").config.n_embd == SMALL["n_embd"]  # "." names it explicitly
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_layer", 2**70), ("n_layer", 20_000), ("n_positions", 10**6),
+                                              ("vocab_size", 10**9), ("n_embd", 2**20)])  # fmt: skip
+def test_an_absurd_config_is_refused_from_the_headers_before_anything_is_built(ckpt, field, value):
+    # n_layer 2**70 grew memory until killed and 20,000 took 19 s and 900 MB before "missing keys".
+    import time
+
+    config = json.loads((ckpt[0] / "config.json").read_text())
+    config[field] = value
+    if field == "n_embd":
+        config["n_head"] = 1
+    (ckpt[0] / "config.json").write_text(json.dumps(config))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=r"the config\.json does not describe these weights"):
+        checkpoints.load(ckpt[0])
+    assert time.perf_counter() - start < 2
