@@ -197,5 +197,10 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path)
+    except OSError:
+        raise
+    except Exception as e:  # the safetensors library's own error type for I/O it could not do
+        raise OSError(f"cannot write {path}: {e}") from e
     finally:
-        tmp.unlink(missing_ok=True)
+        if not tmp.is_dir():
+            tmp.unlink(missing_ok=True)

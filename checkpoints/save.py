@@ -55,6 +55,7 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
     Raises:
         ValueError: for an empty ``directory``, an unsupported ``dtype``, or an int8- or int4-quantized model
             (its linear layers hold quantized matrices and scales, which the GPT-2 layout has no place for).
+        OSError: if the files cannot be written (a read-only or full disk), whatever layer failed.
     """
     if isinstance(directory, str) and not directory.strip():
         raise ValueError('the directory to save into is empty; give a directory path ("." for this one)')

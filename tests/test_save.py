@@ -164,3 +164,16 @@ def test_an_empty_directory_is_refused_and_nothing_is_written(monkeypatch, tmp_p
     with pytest.raises(ValueError, match=r"the directory to save into is empty; give a directory path"):
         checkpoints.save(our_model(), directory)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_the_safetensors_library_cannot_do_is_an_oserror(tmp_path):
+    # The library raises its own error type for I/O (a read-only directory, here a directory in the way of
+    # its temporary file): save() reports it as the OSError its docstring promises.
+    import os
+
+    target = tmp_path / "ck"
+    target.mkdir()
+    (target / f".model.safetensors.tmp-{os.getpid()}").mkdir()
+    with pytest.raises(OSError, match=r"cannot write .*model\.safetensors"):
+        checkpoints.save(our_model(), target)
+    assert not (target / "model.safetensors").exists()
