@@ -56,7 +56,8 @@ def read_config(path: Path) -> GPTConfig:
     """Read a ``config.json`` file.
 
     Raises:
-        CheckpointError: if the file is missing, unreadable, not a JSON object, or has impossible values.
+        CheckpointError: if the file is missing, unreadable, not a regular file, over 1 MiB, not a JSON
+            object, or has impossible values.
     """
     try:
         check_regular_file(path)

@@ -14,7 +14,15 @@ import torch
 from checkpoints.errors import CheckpointError
 from checkpoints.hf_config import read_config
 from checkpoints.placement import resolve_device, resolve_dtype
-from checkpoints.safetensors_io import FILE_DTYPES, PREFIX, file_shape, iter_tensors, model_key, read_header
+from checkpoints.safetensors_io import (
+    FILE_DTYPES,
+    PREFIX,
+    check_regular_file,
+    file_shape,
+    iter_tensors,
+    model_key,
+    read_header,
+)
 from model import GPT, GPTConfig, int4
 from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quantize_int8, quantize_rows
 
@@ -23,7 +31,9 @@ SINGLE_FILE = "model.safetensors"
 # The weight-only quantized dtype names: their bits, and whether each quantizes the output head (the tied
 # embedding) too.
 QUANT_MODES = {"int8": (8, True), "int8-body": (8, False), "int4": (4, True), "int4-body": (4, False)}
+INT8_MODES = {name: head for name, (bits, head) in QUANT_MODES.items() if bits == 8}  # the older name
 INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 16 * 2**20  # GPT-2 xl's index is about 30 KB
 
 
 def shipped_names() -> list[str]:
@@ -76,7 +86,12 @@ def _directory_files(directory: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            check_regular_file(index)
+            with index.open("rb") as f:
+                data = f.read(MAX_INDEX_BYTES + 1)
+            if len(data) > MAX_INDEX_BYTES:
+                raise CheckpointError(f"{index} holds more than {MAX_INDEX_BYTES:,} bytes: not an index")
+            weight_map = json.loads(data.decode("utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
         if (
@@ -95,8 +110,9 @@ def _directory_files(directory: Path) -> list[Path]:
             )  # a shard must be a plain file name in this directory, never a path elsewhere
             if f.parent != directory or not f.name.endswith(".safetensors"):
                 raise CheckpointError(f"{index} names shard {name!r}, which is not a .safetensors file here")
-            if not f.is_file():
+            if not f.exists():
                 raise CheckpointError(f"{index} names shard {name!r}, which is missing from {directory}")
+            check_regular_file(f)
             files.append(f)
         return files
     hint = (
@@ -120,7 +136,9 @@ def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> 
         path = SHIPPED_DIR / source
     elif not path.exists():
         name = str(source)
-        if _is_hub_id(name) and not Path(name.split("/")[0]).is_dir():  # "runs/x" is a local path
+        if name in shipped_names():  # a Path("shakespeare") that is not here: the shipped one, as before
+            path = SHIPPED_DIR / name
+        elif _is_hub_id(name) and not Path(name.split("/")[0]).is_dir():  # "runs/x" is a local path
             path = _from_hub(name)
         else:
             raise CheckpointError(f"checkpoint path {name} does not exist")
@@ -272,6 +290,8 @@ def load(
     # Weight-only int8/int4: linear layers read in fp32 and quantized, computed in bf16.
     bits, include_head = QUANT_MODES.get(dtype, (None, None)) if isinstance(dtype, str) else (None, None)
     quantize = bits is not None
+    if group_size is not None and bits is None:
+        resolve_dtype(dtype)  # an unknown dtype is reported as such, before its group size
     if group_size is not None and bits != 4:
         shown = dtype or "float32"
         raise ValueError(
@@ -286,6 +306,10 @@ def load(
         modes = ", ".join(repr(m) for m in QUANT_MODES)
         raise ValueError(f"{e}, or the names {modes} (weight-only int8 and int4)") from None
     device = resolve_device(device, torch.bfloat16 if quantize else dtype)
+    if bits == 4 and device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"int4 runs on the CPU and CUDA only (stock kernels), not {device.type}; use int8 or bfloat16"
+        )
     cfg, files = _resolve(source, config)
     _check_geometry(cfg, files)  # before any module is built: an absurd config would hang or exhaust memory
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import tiktoken
@@ -169,7 +169,7 @@ class Generator:
                        frequency_penalty=frequency_penalty, stop=stop, logprobs=logprobs)  # fmt: skip
         if isinstance(prompt, str):
             return self._drain(self._run([self.encode(prompt)], options, seed))[0]
-        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             self.encode(prompt)  # raises, naming the type (bytes would otherwise read as a list of ints)
         ids = [self.encode(p) for p in prompt]
         if not ids:

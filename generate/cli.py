@@ -322,9 +322,21 @@ def main(argv: list[str] | None = None, prog: str = "generate") -> int:
         return 0
     # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {_message(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _message(error: BaseException) -> str:
+    """One line for the error; torch's allocator failures (``[enforce fail at alloc_cpu.cpp...]``, a
+    ``RuntimeError``) become what they mean and what to do."""
+    text = str(error)
+    if isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "alloc_cpu" in text):
+        size = re.search(r"allocate (\d+) bytes", text)
+        tried = f" (an allocation of {int(size.group(1)) / 2**20:,.0f} MiB failed)" if size else ""
+        return (f"out of memory{tried}; use a smaller --batch-size or --max-new-tokens, a shorter prompt, "
+                "or a smaller --dtype")  # fmt: skip
+    return text.replace("\n", " ")  # one line
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def check_compile_memory(model: GPT) -> None:
             f"compiling the decode step needs about {needed / 2**30:.1f} GiB (measured: about "
             f"{COMPILE_BYTES_PER_WEIGHT_BYTE}x the weights' {weights / 2**20:,.0f} MiB) but only "
             f"{free / 2**30:.1f} GiB are available; generate without compiling (compile=False, no --compile) "
-            "or in a smaller dtype (bfloat16, int8)"
+            "or in a smaller dtype (bfloat16, int8, int4)"
         )
 
 

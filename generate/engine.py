@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from generate.memory import available_memory
 from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
 from generate.runner import Runner
 from generate.sampling import SamplingParams, sample_row
@@ -23,22 +24,6 @@ from model import GPT, GPTConfig, KVCache
 
 class GenerationError(RuntimeError):
     """The model produced something that cannot be sampled from (NaN or infinite logits)."""
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device`` (CPU: Linux's MemAvailable), or None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 # Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,

@@ -123,10 +123,12 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf. A
     # temperature below the dtype's smallest normal number (fp32: 1.2e-38) would round to 0 and make the top
-    # logit 0/0: such rows are divided in float64, which holds every positive float.
+    # logit 0/0: there the limit is taken directly, the top logits (ties shared) against -inf.
+    top = logits.max(dim=-1, keepdim=True).values
     if params.temperature < torch.finfo(logits.dtype).tiny:
-        logits = logits.double()
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+        logits = torch.where(logits == top, 0.0, float("-inf"))
+    else:
+        logits = (logits - top) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

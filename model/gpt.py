@@ -225,7 +225,7 @@ class GPT(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of activations and of the KV cache (bf16 for an int8-quantized model)."""
+        """The dtype of activations and of the KV cache (bf16 for an int8- or int4-quantized model)."""
         return self.ln_f.weight.dtype
 
     @property

@@ -328,3 +328,14 @@ def test_a_padded_vocabulary_only_yields_tokens_the_tokenizer_spells():
         out = gen_padded.generate("Hi", max_new_tokens=8, temperature=temperature, seed=0, logprobs=True)
         assert max(out.token_ids) < 50257
         assert len(out.token_ids) == 8 and all(lp <= 0 for lp in out.logprobs)
+
+
+def test_prompts_from_any_iterable_and_binary_ones_named(gen):
+    texts = ["a prompt", "another"]
+    expected = gen.generate(texts, max_new_tokens=3, temperature=0)
+    got = gen.generate((t for t in texts), max_new_tokens=3, temperature=0)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    with pytest.raises(TypeError, match=r"a prompt must be a str, got bytes; decode it first"):
+        gen.generate(b"a prompt")
+    with pytest.raises(TypeError, match=r"a prompt must be a str, got int"):
+        gen.generate(5)

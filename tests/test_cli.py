@@ -132,9 +132,14 @@ def test_dtype_option_loads_the_model_in_that_dtype(ckpt, gen, dtype, capsys):
     assert record["logprobs"][0] != pytest.approx(fp32.logprobs[0], abs=1e-6)
 
 
-def test_int4_with_a_group_size_is_the_api_s_int4(ckpt, capsys):
+def test_int4_with_a_group_size_is_the_api_s_int4(ckpt, capsys, monkeypatch):
+    import generate.api
+
+    real, seen = generate.api.load, []
+    monkeypatch.setattr(generate.api, "load", lambda *a, **k: seen.append(k) or real(*a, **k))
     args = ["The quick brown fox", "-c", ckpt, "--json", "-n", "8", "-t", "0", "--dtype", "int4-body"]
     assert main([*args, "--group-size", "32"]) == 0
+    assert seen[0]["group_size"] == 32 and seen[0]["dtype"] == "int4-body"  # passed on, not left at None
     [record] = json_lines(capsys.readouterr().out)
     expected = generate.load(ckpt, dtype="int4-body", group_size=32).generate(
         "The quick brown fox", max_new_tokens=8, temperature=0

@@ -185,6 +185,10 @@ def test_bad_group_sizes_are_refused_naming_the_value_and_the_fix(tmp_path):
         checkpoints.load(tmp_path, dtype="int4")
     with pytest.raises(ValueError, match=r"must be one of \(32, 64, 128\), got 48"):
         checkpoints.load(tmp_path, dtype="int4", group_size=48)
+    with pytest.raises(ValueError, match=r"must be one of \(32, 64, 128\), got 64\.0"):
+        checkpoints.load(tmp_path, dtype="int4", group_size=64.0)
+    with pytest.raises(ValueError, match=r"unsupported dtype 'int2'"):  # the dtype first, then its group size
+        checkpoints.load(tmp_path, dtype="int2", group_size=32)
     with pytest.raises(
         ValueError, match=r"group_size=32 applies to dtype 'int4' or 'int4-body' only, not 'int8'"
     ):

@@ -451,6 +451,7 @@ def test_a_shipped_name_means_the_shipped_checkpoint_whatever_the_working_direct
     assert shipped.config.n_embd != SMALL["n_embd"] and shipped.num_parameters() > 10**7
     assert generate.load("shakespeare").model.config == shipped.config
     assert checkpoints.load("./shakespeare").config.n_embd == SMALL["n_embd"]
+    assert checkpoints.load(tmp_path / "shakespeare").config.n_embd == SMALL["n_embd"]  # a Path is a path
     (tmp_path / "shakespeare" / "config.json").unlink()  # a broken folder of that name: still the shipped one
     assert checkpoints.load("shakespeare").config == shipped.config
 
@@ -479,3 +480,10 @@ def test_an_absurd_config_is_refused_from_the_headers_before_anything_is_built(c
     with pytest.raises(CheckpointError, match=r"the config\.json does not describe these weights"):
         checkpoints.load(ckpt[0])
     assert time.perf_counter() - start < 2
+
+
+def test_a_shipped_name_as_a_path_that_is_not_here_is_still_the_shipped_checkpoint(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    assert checkpoints.load(Path("shakespeare")).config == checkpoints.load("shakespeare").config

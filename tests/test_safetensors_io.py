@@ -168,12 +168,18 @@ def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(ckpt, name):
     path = ckpt[0] / name
     path.unlink()
     os.mkfifo(path)
-    signal.alarm(30)  # opening a FIFO for reading blocks until a writer comes: a regression would hang here
+
+    def hung(signum, frame):
+        raise TimeoutError("loading blocked on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)  # opening a FIFO for reading blocks until a writer comes: a regression fails here
     try:
         with pytest.raises(CheckpointError, match=rf"{name} is a FIFO, socket or device, not a regular file"):
             checkpoints.load(ckpt[0])
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_huge_config_json_is_refused_unread(ckpt):
