@@ -28,9 +28,8 @@ ROW_BLOCK = 64
 # Weights quantized or packed per pass: bounds the fp32 and int32 temporaries (2**20 weights: 4 MiB each), so
 # loading never holds much more than the quantized model (GPT-2's head packed at once took 126 MB more).
 WEIGHTS_PER_PASS = 2**20
-INNER_K_TILES = (
-    8  # CUDA's packing parameter, fewer for widths that are not multiples of 16 * 8; the CPU ignores it
-)
+# CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
+INNER_K_TILES = 8
 
 
 def check_group_size(group_size: int, width: int | None = None) -> None:
@@ -96,9 +95,8 @@ def _rows_per_pass(width: int) -> int:
 def _pack_piece(piece: torch.Tensor) -> torch.Tensor:
     if piece.device.type == "cuda":  # CUDA's packing takes the even column in the high nibble
         width = 2 * piece.shape[1]  # a multiple of 16 * tiles (the group size, 32 or more, divides it)
-        tiles = next(
-            t for t in (INNER_K_TILES, 4, 2) if width % (16 * t) == 0
-        )  # the mm reads it from the shape
+        # The product reads the tile count back from the packed shape.
+        tiles = next(t for t in (INNER_K_TILES, 4, 2) if width % (16 * t) == 0)
         return torch.ops.aten._convert_weight_to_int4pack((piece << 4) | (piece >> 4), tiles)
     q = unpack_codes(piece).to(torch.int32)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
