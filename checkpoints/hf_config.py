@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.errors import CheckpointError
-from checkpoints.safetensors_io import check_regular_file
+from checkpoints.safetensors_io import read_small_file
 from checkpoints.tokenizer import EOT_ID
 from model import GPTConfig
 
@@ -60,12 +60,7 @@ def read_config(path: Path) -> GPTConfig:
             object, or has impossible values.
     """
     try:
-        check_regular_file(path)
-        with path.open("rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{path} holds more than {MAX_CONFIG_BYTES:,} bytes: not a config.json")
-        text = data.decode("utf-8")
+        text = read_small_file(path, MAX_CONFIG_BYTES, "a config.json").decode("utf-8")
     except FileNotFoundError as e:
         raise CheckpointError(f"{path} does not exist; a checkpoint directory needs a config.json") from e
     except (OSError, UnicodeDecodeError) as e:

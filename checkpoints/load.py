@@ -17,11 +17,11 @@ from checkpoints.placement import resolve_device, resolve_dtype
 from checkpoints.safetensors_io import (
     FILE_DTYPES,
     PREFIX,
-    check_regular_file,
     file_shape,
     iter_tensors,
     model_key,
     read_header,
+    read_small_file,
 )
 from model import GPT, GPTConfig, int4
 from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quantize_int8, quantize_rows
@@ -86,11 +86,7 @@ def _directory_files(directory: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            check_regular_file(index)
-            with index.open("rb") as f:
-                data = f.read(MAX_INDEX_BYTES + 1)
-            if len(data) > MAX_INDEX_BYTES:
-                raise CheckpointError(f"{index} holds more than {MAX_INDEX_BYTES:,} bytes: not an index")
+            data = read_small_file(index, MAX_INDEX_BYTES, "a safetensors index")
             weight_map = json.loads(data.decode("utf-8"))["weight_map"]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
@@ -112,7 +108,6 @@ def _directory_files(directory: Path) -> list[Path]:
                 raise CheckpointError(f"{index} names shard {name!r}, which is not a .safetensors file here")
             if not f.exists():
                 raise CheckpointError(f"{index} names shard {name!r}, which is missing from {directory}")
-            check_regular_file(f)
             files.append(f)
         return files
     hint = (
@@ -168,16 +163,17 @@ def _config(config: GPTConfig | str) -> GPTConfig:
         raise CheckpointError(f"config={config!r}: {e}, or give a path to a config.json") from e
 
 
-def _check_geometry(cfg: GPTConfig, files: list[Path]) -> None:
+def _check_geometry(cfg: GPTConfig, headers: dict[Path, dict[str, dict]]) -> None:
     """Check the config's layer count and embedding shapes against the files' tensors (headers only).
 
     Building even a shapes-only model of ``n_layer`` 20,000 took 19 s and 900 MB before the weights could
-    say it was wrong (2**70 never ended); this costs reading the headers again. (Fewer layers than the file
-    holds is left to :func:`_plan`, which names the unexpected keys.)
+    say it was wrong (2**70 never ended). (Fewer layers than the file holds is left to :func:`_plan`, which
+    names the unexpected keys.)
     """
+    files = list(headers)
     tensors: dict[str, tuple[Path, str, tuple[int, ...]]] = {}  # our name -> (file, file key, shape)
-    for path in files:
-        for key, info in read_header(path).items():
+    for path, header in headers.items():
+        for key, info in header.items():
             tensors[key.removeprefix(PREFIX)] = (path, key, tuple(info.get("shape", ())))
     layers = {int(m.group(1)) for name in tensors if (m := re.match(r"h\.(\d+)\.", name))}
     held = max(layers) + 1 if layers else 0
@@ -198,15 +194,16 @@ def _check_geometry(cfg: GPTConfig, files: list[Path]) -> None:
             )
 
 
-def _plan(model: GPT, files: list[Path]) -> dict[Path, dict[str, str]]:
+def _plan(model: GPT, headers: dict[Path, dict[str, dict]]) -> dict[Path, dict[str, str]]:
     """Check every file's keys, shapes and dtypes against the model before reading any weights."""
     expected = dict(model.named_parameters())
     plan: dict[Path, dict[str, str]] = {}
     found: set[str] = set()
     unexpected: list[str] = []
-    for path in files:
+    files = list(headers)
+    for path, header in headers.items():
         plan[path] = {}
-        for file_key, info in read_header(path).items():
+        for file_key, info in header.items():
             name = model_key(file_key)
             if file_key.removeprefix(PREFIX) == "lm_head.weight":  # not read (tied to wte), but must fit it
                 want = tuple(expected["wte.weight"].shape)
@@ -311,10 +308,11 @@ def load(
             f"int4 runs on the CPU and CUDA only (stock kernels), not {device.type}; use int8 or bfloat16"
         )
     cfg, files = _resolve(source, config)
-    _check_geometry(cfg, files)  # before any module is built: an absurd config would hang or exhaust memory
+    headers = {path: read_header(path) for path in files}  # each file's header, checked against its size
+    _check_geometry(cfg, headers)  # before any module is built: an absurd config would hang or exhaust memory
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
-    plan = _plan(model, files)
+    plan = _plan(model, headers)
     if bits == 4:
         widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
         for width in sorted(widths | ({cfg.n_embd} if include_head else set())):

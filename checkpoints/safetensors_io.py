@@ -92,6 +92,21 @@ def check_regular_file(path: Path) -> os.stat_result:
     return status
 
 
+def read_small_file(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (a JSON file beside the weights).
+
+    Raises:
+        CheckpointError: if it is not a regular file, or longer than ``limit`` (it is then not ``what``).
+        OSError: if it cannot be read.
+    """
+    check_regular_file(path)
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path} holds more than {limit:,} bytes: not {what}")
+    return data
+
+
 def _check_ranges(path: Path, header: dict[str, dict]) -> None:
     """Tensors' byte ranges must follow one another from 0, without overlap or gap, as in the safetensors
     library (it refuses other files): two tensors sharing bytes would alias each other's weights."""

@@ -64,6 +64,37 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
+def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
+    """``--device``, ``--dtype`` and ``--group-size``: how the model is loaded (by generate and serve)."""
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"],
+        help=dtype_help,
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        choices=[32, 64, 128],
+        help="int4's weights per scale and zero (default 32); only with --dtype int4 or int4-body",
+    )
+
+
+def check_model_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse a ``--group-size`` without an int4 dtype (a usage error)."""
+    if args.group_size is not None and not args.dtype.startswith("int4"):
+        parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
+
+
+def load_generator(args: argparse.Namespace) -> Generator:
+    """Load the model the options of :func:`add_model_options` (and ``--checkpoint``, ``--compile``) name."""
+    from generate.api import load
+
+    return load(args.checkpoint, device=args.device, dtype=args.dtype, group_size=args.group_size,
+                compile=args.compile)  # fmt: skip
+
+
 def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
     """The command's argument parser (``prog``: its name in messages, ``gptgen generate`` as a subcommand)."""
     p = _Parser(prog=prog, description=DESCRIPTION, epilog=EXAMPLES,
@@ -78,19 +109,10 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
         default=DEFAULT_CHECKPOINT,
         help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"],
-        help="weights and compute: float32 (default), bfloat16, float16, or int8 or int4 weights with bf16 "
-        "compute (-body: output head in bf16)",
-    )
-    p.add_argument(
-        "--group-size",
-        type=int,
-        choices=[32, 64, 128],
-        help="int4's weights per scale and zero (default 32); only with --dtype int4 or int4-body",
+    add_model_options(
+        p,
+        dtype_help="weights and compute: float32 (default), bfloat16, float16, or int8 or int4 weights with "
+        "bf16 compute (-body: output head in bf16)",
     )
     p.add_argument(
         "--max-new-tokens", "-n", type=int, default=100, help="tokens to generate at most (default 100)"
@@ -209,8 +231,7 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     from generate.request import check_seed
     from generate.sampling import SamplingParams
 
-    if args.group_size is not None and not args.dtype.startswith("int4"):
-        parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
+    check_model_options(args, parser)
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
         resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in QUANT_MODES else args.dtype))
@@ -283,8 +304,6 @@ def _run(gen: Generator, prompts: list[str], args: argparse.Namespace, out: _Out
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Output) -> None:
     _check_options(args, parser)
     prompts = _read_prompts(args, parser)
-    from generate.api import load
-
     if args.compile:  # compiling takes tens of seconds: say what is happening, on stderr
         import logging
 
@@ -292,13 +311,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
         handler.setFormatter(logging.Formatter("generate: %(message)s"))
         logging.getLogger("gptgen").addHandler(handler)
         logging.getLogger("gptgen").setLevel(logging.INFO)
-    gen = load(
-        args.checkpoint,
-        device=args.device,
-        dtype=args.dtype,
-        group_size=args.group_size,
-        compile=args.compile,
-    )
+    gen = load_generator(args)
     _check_prompts(gen, prompts, args.prompts_file)
     _run(gen, [prompt for _, prompt in prompts], args, out)
 

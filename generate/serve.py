@@ -19,6 +19,8 @@ import sys
 import threading
 from typing import Any, NoReturn
 
+from generate.cli import add_model_options, check_model_options, load_generator
+
 DEFAULT_CHECKPOINT = "shakespeare"
 PROG = "gptgen serve"
 
@@ -46,18 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)"
     )
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"],
-        help="weights and compute (default float32); int8 and int4 are weight-only (bf16 compute)",
-    )
-    p.add_argument(
-        "--group-size",
-        type=int,
-        choices=[32, 64, 128],
-        help="int4's weights per scale and zero (default 32); only with --dtype int4 or int4-body",
+    add_model_options(
+        p, "weights and compute (default float32); int8 and int4 are weight-only (bf16 compute)"
     )
     p.add_argument(
         "--compile",
@@ -97,8 +89,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty; give a key, or leave it out")
-    if args.group_size is not None and not args.dtype.startswith("int4"):
-        parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
+    check_model_options(args, parser)
 
 
 def _loopback(host: str) -> bool:
@@ -195,17 +186,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        from generate.api import load
-
         if args.compile:
             logging.getLogger("gptgen").info("compiling the decode step (%d slots)", args.max_slots)
-        gen = load(
-            args.checkpoint,
-            device=args.device,
-            dtype=args.dtype,
-            group_size=args.group_size,
-            compile=args.compile,
-        )
+        gen = load_generator(args)
         loop = state.attach(gen, gen.engine(args.max_slots, gen.model.config.n_positions))
     except KeyboardInterrupt:
         thread.join()
