@@ -144,8 +144,9 @@ def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> 
         if config is None:
             if not (path.parent / "config.json").is_file():
                 raise CheckpointError(
-                    f"{path} has no config.json beside it; put the model's config.json there (or, from "
-                    "Python, pass config=: a GPTConfig or a preset name such as 'gpt2')"
+                    f"{path} has no config.json beside it; put the model's config.json there, or name "
+                    "its config: --config in the commands, config= in Python (a config.json path, or a "
+                    "preset such as 'gpt2')"
                 )
             return read_config(path.parent / "config.json"), [path]
         return _config(config), [path]

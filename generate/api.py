@@ -14,7 +14,7 @@ import checkpoints
 from generate.engine import Engine
 from generate.request import Request, check_prompts, check_seed
 from generate.sampling import SamplingParams
-from model import GPT
+from model import GPT, GPTConfig
 
 DEFAULT_CHECKPOINT = "shakespeare"
 
@@ -226,6 +226,7 @@ class Generator:
 def load(
     source: str | os.PathLike[str] = DEFAULT_CHECKPOINT,
     *,
+    config: GPTConfig | str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     group_size: int | None = None,
@@ -235,6 +236,8 @@ def load(
 
     Args:
         source: a checkpoint directory or file, a shipped name (default ``"shakespeare"``) or a hub id.
+        config: the model's config when ``source`` has none beside it (or to override it): a
+            :class:`GPTConfig`, a preset name such as ``"gpt2"`` or a ``config.json`` path.
         device: where to run (default CPU).
         dtype: ``float32`` (default), ``bfloat16``, ``float16``, ``"int8"`` (int8 weights, bf16 compute),
             ``"int8-body"`` (the same with the output head in bf16), ``"int4"`` or ``"int4-body"`` (4-bit
@@ -246,5 +249,5 @@ def load(
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
-    model = checkpoints.load(source, device=device, dtype=dtype, group_size=group_size)
+    model = checkpoints.load(source, config=config, device=device, dtype=dtype, group_size=group_size)
     return Generator(model, compile=compile)

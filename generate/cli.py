@@ -65,7 +65,14 @@ def unescape(text: str) -> str:
 
 
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
-    """``--device``, ``--dtype`` and ``--group-size``: how the model is loaded (by generate and serve)."""
+    """``--config``, ``--device``, ``--dtype`` and ``--group-size``: how the model is loaded (by generate
+    and serve)."""
+    p.add_argument(
+        "--config",
+        metavar="CONFIG",
+        help="the model's config.json, or a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, distilgpt2), "
+        "for a .safetensors file with no config.json beside it (default: the checkpoint's own)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or mps")
     p.add_argument(
         "--dtype",
@@ -87,12 +94,44 @@ def check_model_options(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
 
 
+def import_holding_signals(name: str) -> None:
+    """Import module ``name`` with Ctrl-C (and SIGTERM, where Python handles it) held back until it is done.
+
+    torch imports numpy and treats any failure there as "numpy is missing", so an interrupt that lands in
+    that ~0.3 s was lost (the command then ran to its end, exit 0), left numpy half-imported ("cannot load
+    module more than once"), or aborted the process from C++. Here the signal is only recorded during the
+    import and handed to the handler that was in place once it ends. An ignored or default-action signal
+    (SIG_IGN, SIG_DFL) and calls outside the main thread are left alone.
+    """
+    if name in sys.modules:
+        return
+    import importlib
+    import signal
+    import threading
+
+    caught: list[int] = []
+    held = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                held[signum] = handler
+                signal.signal(signum, lambda s, _frame: caught.append(s))
+    try:
+        importlib.import_module(name)
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(caught):
+        held[signum](signum, None)  # default_int_handler raises KeyboardInterrupt here
+
+
 def load_generator(args: argparse.Namespace) -> Generator:
     """Load the model the options of :func:`add_model_options` (and ``--checkpoint``, ``--compile``) name."""
     from generate.api import load
 
-    return load(args.checkpoint, device=args.device, dtype=args.dtype, group_size=args.group_size,
-                compile=args.compile)  # fmt: skip
+    return load(args.checkpoint, config=args.config, device=args.device, dtype=args.dtype,
+                group_size=args.group_size, compile=args.compile)  # fmt: skip
 
 
 def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
@@ -179,7 +218,7 @@ def _read_file(path: str) -> list[tuple[int, str]]:
         with open(path, "rb") as f:
             data = _read_bounded(f, f"prompts file {path}")
     except OSError as e:
-        raise ValueError(f"cannot read prompts file {path}: {e}") from e
+        raise ValueError(f"cannot read prompts file {path}: {e.strerror or e}") from e
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the text
     except UnicodeDecodeError as e:
@@ -302,6 +341,9 @@ def _run(gen: Generator, prompts: list[str], args: argparse.Namespace, out: _Out
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Output) -> None:
+    import_holding_signals(
+        "generate.api"
+    )  # torch, numpy, tiktoken, safetensors: the options' checks need them
     _check_options(args, parser)
     prompts = _read_prompts(args, parser)
     if args.compile:  # compiling takes tens of seconds: say what is happening, on stderr
@@ -341,15 +383,18 @@ def main(argv: list[str] | None = None, prog: str = "generate") -> int:
 
 
 def _message(error: BaseException) -> str:
-    """One line for the error; torch's allocator failures (``[enforce fail at alloc_cpu.cpp...]``, a
-    ``RuntimeError``) become what they mean and what to do."""
-    text = str(error)
-    if isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "alloc_cpu" in text):
-        size = re.search(r"allocate (\d+) bytes", text)
-        tried = f" (an allocation of {int(size.group(1)) / 2**20:,.0f} MiB failed)" if size else ""
-        return (f"out of memory{tried}; use a smaller --batch-size or --max-new-tokens, a shorter prompt, "
-                "or a smaller --dtype")  # fmt: skip
-    return text.replace("\n", " ")  # one line
+    """One line for the error, long paths shortened. The allocator's failures (a ``RuntimeError`` such as
+    ``[enforce fail at alloc_cpu.cpp...]``, or the engine's MemoryError made from one) say what to change
+    in this command."""
+    from checkpoints.errors import elide
+
+    allocator = error.__cause__ if isinstance(error, MemoryError) else error
+    if isinstance(allocator, RuntimeError):
+        from generate.memory import out_of_memory
+
+        advice = "use a smaller --batch-size or --max-new-tokens, a shorter prompt, or a smaller --dtype"
+        error = out_of_memory(allocator, advice) or error
+    return elide(str(error).replace("\n", " "))  # one line, with any huge path shortened
 
 
 if __name__ == "__main__":

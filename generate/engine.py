@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate.memory import available_memory
+from generate.memory import available_memory, said_plainly
 from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
 from generate.runner import Runner
 from generate.sampling import SamplingParams, sample_row
@@ -30,6 +30,7 @@ class GenerationError(RuntimeError):
 # and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
 # first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
 VOCAB_BYTES_PER_ROW = 48
+OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
 
 
 def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
@@ -99,8 +100,9 @@ class Engine:
         _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
         self.model, self.token_bytes = model, token_bytes
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
-        self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
-        self.runner = Runner(model, self.cache, compile=compile)
+        with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
+            self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
+            self.runner = Runner(model, self.cache, compile=compile)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
@@ -150,7 +152,12 @@ class Engine:
 
         Raises:
             GenerationError: if a request's logits hold NaN or infinity.
+            MemoryError: if the allocator ran out of memory (said plainly, not in the allocator's words).
         """
+        with said_plainly(OUT_OF_MEMORY_ADVICE):
+            return self._step()
+
+    def _step(self) -> list[tuple[Request, int]]:
         events: list[tuple[Request, int]] = []
         free = [s for s in range(self.slots) if s not in self.running]
         while free and self.waiting:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,6 +27,37 @@ def available_memory(device: torch.device) -> int | None:
     rooms = [_meminfo_available(), _address_space_room(), _cgroup_room()]
     known = [r for r in rooms if r is not None]
     return max(0, min(known)) if known else None
+
+
+def out_of_memory(error: BaseException, advice: str) -> MemoryError | None:
+    """torch's allocator failure as a MemoryError that says what it means and what to do; None otherwise.
+
+    The CPU allocator raises a RuntimeError such as ``[enforce fail at alloc_cpu.cpp:127] data.
+    DefaultCPUAllocator: not enough memory: you tried to allocate 123 bytes``; CUDA raises
+    ``torch.OutOfMemoryError``. ``advice`` ends the message: what the caller can change.
+    """
+    text = str(error)
+    cpu = isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "alloc_cpu" in text)
+    if not (cpu or isinstance(error, torch.OutOfMemoryError)):
+        return None
+    size = re.search(r"(?:allocate|Tried to allocate) ([\d.]+) (bytes|[KMG]iB)", text)
+    tried = ""
+    if size:
+        scale = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[size.group(2)]
+        tried = f" (an allocation of {float(size.group(1)) * scale / 2**20:,.0f} MiB failed)"
+    return MemoryError(f"out of memory{tried}; {advice}")
+
+
+@contextmanager
+def said_plainly(advice: str) -> Iterator[None]:
+    """Turn the allocator's failures in the block into :func:`out_of_memory`'s MemoryError."""
+    try:
+        yield
+    except RuntimeError as e:
+        oom = out_of_memory(e, advice)
+        if oom is None:
+            raise
+        raise oom from e
 
 
 def _read_number(path: Path) -> int | None:

@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, NoReturn
 
-from generate.cli import add_model_options, check_model_options, load_generator
+from generate.cli import add_model_options, check_model_options, import_holding_signals, load_generator
 
 DEFAULT_CHECKPOINT = "shakespeare"
 PROG = "gptgen serve"
@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="gptgen serve: %(message)s", level=args.log_level.upper(), stream=sys.stderr)
     try:
         import uvicorn
+
+        import_holding_signals("generate.server")  # torch and the rest, before the stop handlers are in place
+    except KeyboardInterrupt:
+        return 0  # stopped before it listened
     except ImportError:
         print(
             "gptgen serve: error: the server needs its extra; install it with pip install -e '.[server]'",
@@ -194,7 +198,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
         thread.join()
         return 0
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        print(f"gptgen serve: error: {e}", file=sys.stderr, flush=True)
+        from checkpoints.errors import elide
+
+        print(f"gptgen serve: error: {elide(str(e))}", file=sys.stderr, flush=True)
         server.should_exit = True
         thread.join()
         return 1

@@ -256,11 +256,12 @@ def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatc
 
 def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):
     directory = tmp_path / "slow"
-    # Big enough that 1000 tokens take seconds, so the signal surely lands mid-stream.
+    # Big enough that 1000 tokens take seconds, so the signal surely lands mid-stream. Greedy: sampled, this
+    # random model can emit the end-of-text token early (about 1 run in 50) and finish before the signal.
     checkpoints.save(make_model(GPTConfig(n_layer=8, n_head=4, n_embd=256, n_positions=1024)), directory)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "generate", "Once", "-c", str(directory), "-n", "1000"],
+        [sys.executable, "-m", "generate", "Once", "-c", str(directory), "-n", "1000", "-t", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.stdout.read(1)  # streaming has begun
@@ -268,3 +269,105 @@ def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert err == b"" and out.endswith(b"\n")
+
+
+# Ctrl-C while torch imports numpy: torch takes any failure there for "numpy is missing" and goes on, so the
+# interrupt was lost and the command ran to its end with exit 0 (or it aborted from C++). This child sends
+# itself SIGINT at that moment: when numpy's import begins, inside torch's import.
+_INTERRUPT_DURING_IMPORT = """
+import builtins, os, signal, sys
+real_import = builtins.__import__
+def hook(name, *args, **kwargs):
+    if name == "numpy" and "numpy" not in sys.modules and "torch" in sys.modules:
+        builtins.__import__ = real_import
+        print("signal sent", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = hook
+from {module} import main
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "status"),
+    [("generate.cli", ["Once", "-c", "{ckpt}", "-n", "5", "-t", "0"], 130),
+     ("generate.serve", ["-c", "{ckpt}", "--port", "0"], 0)],  # a server's normal stop; nothing started
+    ids=["generate", "serve"],
+)  # fmt: skip
+def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status):
+    argv = [a.format(ckpt=ckpt) for a in argv]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = _INTERRUPT_DURING_IMPORT.format(module=module, argv=argv)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, cwd=ROOT, timeout=120)
+    lines = proc.stderr.decode().splitlines()
+    assert lines[:1] == ["signal sent"], lines  # the interrupt did land during the import
+    assert proc.returncode == status, lines
+    assert proc.stdout == b""
+    assert [line for line in lines[1:] if "listening" not in line] == []  # no traceback, no error
+
+
+def test_import_holding_signals_hands_the_signal_over_once_the_import_ends(tmp_path, monkeypatch):
+    from generate.cli import import_holding_signals
+
+    (tmp_path / "swallows_interrupts.py").write_text(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    sum(range(1000))  # the handler runs here\n"
+        "except BaseException:\n"
+        "    interrupted = True  # what torch does with a failed numpy import\n"
+        "else:\n"
+        "    interrupted = False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "swallows_interrupts", raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        import_holding_signals("swallows_interrupts")
+    assert sys.modules["swallows_interrupts"].interrupted is False  # the import itself ran undisturbed
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    import_holding_signals("swallows_interrupts")  # already imported: nothing happens
+
+
+def test_a_safetensors_file_alone_takes_its_config_from_the_config_option(
+    ckpt, tmp_path, capsys, monkeypatch
+):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "weights.safetensors").write_bytes((ckpt / "model.safetensors").read_bytes())
+    code, _, err = run(["hi", "-c", alone / "weights.safetensors"], capsys, monkeypatch)
+    assert code == 1
+    assert_one_line_error(err, r"has no config\.json beside it; .* --config in the commands")
+    expected = run(["hi", "-c", ckpt, "-t", "0", "-n", "5"], capsys, monkeypatch)
+    argv = ["hi", "-c", alone / "weights.safetensors", "--config", ckpt / "config.json", "-t", "0", "-n", "5"]
+    assert run(argv, capsys, monkeypatch) == expected
+    assert expected[0] == 0 and expected[1].strip()
+    # A preset of another geometry is checked against the file like any config.
+    code, _, err = run(["hi", "-c", alone / "weights.safetensors", "--config", "gpt2"], capsys, monkeypatch)
+    assert code == 1
+    assert_one_line_error(err, r"the config says n_layer=12 but the weights hold 1 layers")
+    code, _, err = run(["hi", "-c", alone / "weights.safetensors", "--config", "gpt3"], capsys, monkeypatch)
+    assert_one_line_error(err, r"config='gpt3': unknown preset 'gpt3'")
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "prompts-file", "config"])
+def test_a_very_long_path_is_shortened_in_the_error(ckpt, tmp_path, capsys, monkeypatch, where):
+    long = "/".join(["d" * 200] * 30)  # 6,029 characters, as in the sweep
+    argv = {"checkpoint": ["hi", "-c", f"{long}/x.safetensors"],
+            "prompts-file": ["--prompts-file", f"{long}/p.txt", "-c", ckpt],
+            "config": ["hi", "-c", ckpt, "--config", f"{long}/config.json"]}[where]  # fmt: skip
+    code, _, err = run(argv, capsys, monkeypatch)
+    assert code == 1
+    assert_one_line_error(err, r"d\.\.\.d")
+    assert len(err) < 600, err
+
+
+def test_checkpoint_errors_shorten_any_huge_word_once():
+    from checkpoints.errors import ELIDE_LIMIT, CheckpointError, elide
+
+    error = CheckpointError(f"tensor {'k' * 5000} is missing from {'/p' * 3000}; check the file")
+    words = str(error).split()
+    assert [len(w) for w in words] == [6, ELIDE_LIMIT - 1, 2, 7, 4, ELIDE_LIMIT - 1, 5, 3, 4]
+    assert words[1] == "k" * 98 + "..." + "k" * 98 and words[5].endswith("/p/p;")
+    assert elide(str(error)) == str(error)  # idempotent: pickling or re-raising keeps the message
+    assert str(CheckpointError("short message")) == "short message"

@@ -332,7 +332,10 @@ def test_file_and_config_argument_errors(ckpt):
     path = ckpt[0] / "model.safetensors"
     moved = ckpt[0].parent / "alone.safetensors"
     path.rename(moved)
-    expected = r"has no config\.json beside it; put the model.s config\.json there \(or, from Python, pass"
+    expected = (
+        r"has no config\.json beside it; put the model.s config\.json there, or name its config: --config in "
+        r"the commands, config= in Python \(a config\.json path, or a preset such as 'gpt2'\)"
+    )
     with pytest.raises(CheckpointError, match=expected):
         checkpoints.load(moved)
     with pytest.raises(CheckpointError, match="config='gpt3': unknown preset 'gpt3'"):

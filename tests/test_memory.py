@@ -1,14 +1,21 @@
 """The up-front memory checks see every limit an allocation runs into: the machine's free memory, the
 process's address-space limit (ulimit -v) and its container's memory limit (cgroup v1 or v2)."""
 
+import os
+import re
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoints
 import generate.memory as memory
 from conftest import TINY_CONFIGS, make_model
 from generate.engine import Engine
+from model import GPTConfig
 
 CPU = torch.device("cpu")
 
@@ -48,3 +55,59 @@ def test_a_container_memory_limit_is_seen(monkeypatch, tmp_path, files, room):
         assert abs(memory.available_memory(CPU) - memory._meminfo_available()) < 256 * 2**20
     else:
         assert memory.available_memory(CPU) == room
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [(RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: not enough memory: you "
+                   "tried to allocate 16777216 bytes."),
+      "out of memory (an allocation of 16 MiB failed); do less"),
+     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                             "79.1 GiB"), "out of memory (an allocation of 2,048 MiB failed); do less"),
+     (RuntimeError("DefaultCPUAllocator: not enough memory"), "out of memory; do less")],
+    ids=["cpu", "cuda", "no-size"],
+)  # fmt: skip
+def test_the_allocators_failures_are_said_plainly(error, said):
+    assert str(memory.out_of_memory(error, "do less")) == said
+
+
+@pytest.mark.parametrize("error", [RuntimeError("shape mismatch"), ValueError("alloc_cpu"), MemoryError()])
+def test_other_errors_are_not_taken_for_the_allocators(error):
+    assert memory.out_of_memory(error, "do less") is None
+
+
+# A real allocation failure: the child lowers its own address-space limit (ulimit -v) to 300 MB above its size
+# and turns off the up-front check, so the allocator itself fails mid-generation.
+_OUT_OF_MEMORY = """
+import resource, sys
+import generate, generate.cli, generate.engine
+generate.engine.available_memory = lambda device: None
+with open("/proc/self/status") as f:
+    size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20, resource.RLIM_INFINITY))
+if sys.argv[1] == "cli":
+    sys.exit(generate.cli.main(["hi", "-c", sys.argv[2], "--num-samples", "4000", "--batch-size", "4000",
+                                "-n", "3", "--no-stream"]))
+try:
+    generate.load(sys.argv[2]).generate(["hi"] * 4000, max_new_tokens=3, batch_size=4000)
+except MemoryError as e:
+    print(f"MemoryError: {e}", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [("cli", r"generate: error: out of memory \(an allocation of [\d,]+ MiB failed\); use a smaller "
+             r"--batch-size or --max-new-tokens, a shorter prompt, or a smaller --dtype"),
+     ("api", r"MemoryError: out of memory \(an allocation of [\d,]+ MiB failed\); run fewer requests at "
+             r"once, fewer new tokens, a shorter prompt or a smaller dtype")],
+)  # fmt: skip
+def test_running_out_of_memory_mid_generation_is_said_plainly(tmp_path, how, said):
+    checkpoints.save(make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)), tmp_path / "m")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    argv = [sys.executable, "-c", _OUT_OF_MEMORY, how, str(tmp_path / "m")]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert proc.stdout == ""
+    assert re.fullmatch(said + "\n", proc.stderr), proc.stderr
+    assert proc.returncode == (1 if how == "cli" else 0)

@@ -399,3 +399,47 @@ def test_a_full_queue_answers_429_at_once_and_the_key_is_required(small_server):
             refused = httpx.post(url, json={"prompt": "x"}, headers=key)
             assert refused.status_code == 429 and time.monotonic() - start < 2
             assert refused.json()["error"]["type"] == "rate_limit_error"
+
+
+ALLOCATOR_FAILURE = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+    "allocate 804112000 bytes. Error code 12 (Cannot allocate memory)"
+)
+
+
+def test_running_out_of_memory_fails_the_requests_plainly_and_the_server_goes_on(offline, monkeypatch):
+    """In process (Starlette's test client): the engine's products fail as the CPU allocator does; the
+    requests then running get a 500 saying "out of memory" (not the allocator's words), later ones work."""
+    from starlette.testclient import TestClient
+
+    from generate.server import Settings, build_app
+
+    app = build_app(Settings("shakespeare"))
+    engine = offline.engine(2, 64)
+    loop = app.state.gptgen.attach(offline, engine)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    body = {"model": "shakespeare", "prompt": "To be", "max_tokens": 4, "temperature": 0}
+    try:
+        with TestClient(app) as http:
+            real = engine.runner.decode
+
+            def fails(*args, **kwargs):
+                raise RuntimeError(ALLOCATOR_FAILURE)
+
+            monkeypatch.setattr(engine.runner, "decode", fails)
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 500
+            message = answer.json()["error"]["message"]
+            assert message == (
+                "the engine failed: out of memory (an allocation of 767 MiB failed); run fewer requests at "
+                "once, fewer new tokens, a shorter prompt or a smaller dtype"
+            )
+            monkeypatch.setattr(engine.runner, "decode", real)
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200
+            want = offline.generate("To be", max_new_tokens=4, temperature=0).text
+            assert answer.json()["choices"][0]["text"] == want
+    finally:
+        loop.close()
+        thread.join(30)
