@@ -24,6 +24,7 @@ from checkpoints.safetensors_io import (
     read_small_file,
 )
 from model import GPT, GPTConfig, int4
+from model.config import PRESETS
 from model.quant import COMPUTE_DTYPE, Int8TiedEmbedding, quantize_child, quantize_int8, quantize_rows
 
 SHIPPED_DIR = Path(__file__).parent
@@ -156,8 +157,16 @@ def _resolve(source: str | os.PathLike[str], config: GPTConfig | str | None) -> 
 def _config(config: GPTConfig | str) -> GPTConfig:
     if isinstance(config, GPTConfig):
         return config
-    if Path(config).name == "config.json":
-        return read_config(Path(config))
+    if not str(config).strip():
+        raise CheckpointError(
+            "the config is empty; give a config.json path, a checkpoint directory or a preset name "
+            f"({', '.join(PRESETS)})"
+        )
+    path = Path(config).expanduser()
+    if path.is_dir():  # a checkpoint directory: its config.json
+        return read_config(path / "config.json")
+    if path.suffix == ".json" or path.exists() or os.sep in str(config):  # a path, even a wrong one
+        return read_config(path)
     try:
         return GPTConfig.from_preset(config)
     except ValueError as e:

@@ -340,6 +340,16 @@ def test_file_and_config_argument_errors(ckpt):
         checkpoints.load(moved)
     with pytest.raises(CheckpointError, match="config='gpt3': unknown preset 'gpt3'"):
         checkpoints.load(moved, config="gpt3")
+    # config= may name the checkpoint directory that holds the config.json, or any path to one; an empty
+    # value never means the working directory's config.json.
+    assert (
+        checkpoints.load(moved, config=ckpt[0]).config
+        == checkpoints.load(moved, config=ckpt[0] / "config.json").config
+    )
+    with pytest.raises(CheckpointError, match=r"the config is empty; give a config\.json path"):
+        checkpoints.load(moved, config="")
+    with pytest.raises(CheckpointError, match=r"nothere/settings does not exist"):
+        checkpoints.load(moved, config="nothere/settings")  # a path, not taken for a preset name
     (ckpt[0] / "weights.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"neither a checkpoint directory nor a \.safetensors file"):
         checkpoints.load(ckpt[0] / "weights.bin")
