@@ -67,6 +67,14 @@ def prepare(work_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.load(train_path, allow_pickle=False), np.load(val_path, allow_pickle=False)
 
 
+def held_out_text(work_dir: Path) -> str:
+    """The held-out works as one plain text, joined by a blank line (what ``heldout.txt`` ships): the text
+    ``gptgen score`` reads. (``prepare`` separates works by the ``<|endoftext|>`` token, which plain text
+    cannot hold: there ``"<|endoftext|>"`` is ordinary text.)"""
+    works = read_works(work_dir)
+    return "\n\n".join(works[name].strip() for name in HELD_OUT) + "\n"
+
+
 def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     """Cross-entropy (nats/token) on ``val`` of add-one-smoothed unigram frequencies from ``train``."""
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from checkpoints.corpus import HELD_OUT, PACKAGE, prepare, unigram_loss
+from checkpoints.corpus import HELD_OUT, PACKAGE, held_out_text, prepare, unigram_loss
 from checkpoints.load import load
 from checkpoints.save import save
+from checkpoints.tokenizer import load_tokenizer
 from checkpoints.train_card import write_card
 from model import GPT, GPTConfig
 
@@ -195,19 +196,31 @@ def main(argv: list[str] | None = None) -> None:
     finish(model, args, train, val, command, train_loss=float(np.mean(losses[-50:])) if losses else None)
 
 
-def evaluate_shipped(out: Path, train: np.ndarray, val: np.ndarray) -> dict[str, Any]:
-    """Evaluate the checkpoint in ``out`` as it ships (16-bit weights, fp32 compute, eval mode)."""
+HELD_OUT_FILE = "heldout.txt"
+
+
+def evaluate_shipped(out: Path, train: np.ndarray, val: np.ndarray, held_out: str) -> dict[str, Any]:
+    """Evaluate the checkpoint in ``out`` as it ships (16-bit weights, fp32 compute, eval mode); write the
+    held-out works as plain text beside it (``heldout.txt``) and score that as ``gptgen score`` does."""
+    from generate.score import score_ids
+
     shipped = load(out, dtype=torch.float32)
     val_loss = heldout_loss(shipped, val, shipped.config.n_positions, None, bf16=False)
     slice_ids = val[: min(SLICE_TOKENS, shipped.config.n_positions) + 1].astype(np.int64)
     with torch.no_grad():
         logits = shipped(torch.from_numpy(slice_ids[None, :-1]))
         slice_loss = F.cross_entropy(logits[0], torch.from_numpy(slice_ids[1:])).item()
+    (out / HELD_OUT_FILE).write_text(held_out, encoding="utf-8")
+    score = score_ids(shipped, load_tokenizer().encode_ordinary(held_out))
     return {
         "held_out_loss": val_loss,
         "held_out_perplexity": math.exp(val_loss),
         "unigram_held_out_loss": unigram_loss(train, val, shipped.config.vocab_size),
         "held_out_slice": {"token_ids": slice_ids.tolist(), "loss": slice_loss},
+        "held_out_text_score": {
+            "file": HELD_OUT_FILE,
+            **{k: getattr(score, k) for k in ("tokens", "mean_nll", "perplexity", "window", "stride")},
+        },
         "parameters": shipped.num_parameters(),
     }
 
@@ -241,7 +254,7 @@ def finish(
         "best_step": best["step"],
         "tokens_seen": args.steps * args.batch_size * args.context,
         "final_train_loss": train_loss,
-        **evaluate_shipped(args.out, train, val),
+        **evaluate_shipped(args.out, train, val, held_out_text(args.work_dir)),
         "command": command,
     }
     write_facts(args.out, facts)
@@ -251,7 +264,7 @@ def reevaluate(args: argparse.Namespace) -> None:
     """Recompute the evaluation figures of an already shipped checkpoint, keeping its training facts."""
     train, val = prepare(args.work_dir)
     facts = json.loads((args.out / "training.json").read_text())
-    facts.update(evaluate_shipped(args.out, train, val))
+    facts.update(evaluate_shipped(args.out, train, val, held_out_text(args.work_dir)))
     write_facts(args.out, facts)
 
 

@@ -38,6 +38,7 @@ def write_card(out: Path, facts: dict[str, Any]) -> None:
         f"{2.718281828 ** facts['unigram_held_out_loss']:.1f} |",
         f"| final training loss (mean of the last 50 steps, dropout on) | "
         f"{'n/a' if train_loss is None else f'{train_loss:.4f}'} | |",
+        *_text_score(facts),
         "",
         f"The loss on the first {len(facts['held_out_slice']['token_ids']) - 1} held-out tokens is "
         f"{facts['held_out_slice']['loss']:.6f}; `training.json` records the ids, and a test recomputes it.",
@@ -46,6 +47,23 @@ def write_card(out: Path, facts: dict[str, Any]) -> None:
         *_samples(facts.get("samples", [])),
     ]
     (out / "README.md").write_text("\n".join(lines))
+
+
+def _text_score(facts: dict[str, Any]) -> list[str]:
+    score = facts.get("held_out_text_score")
+    if score is None:
+        return []
+    return [
+        f"| held-out works as plain text (`{score['file']}`), `gptgen score {score['file']}`: "
+        f"{score['tokens']:,} tokens scored | {score['mean_nll']:.4f} | {score['perplexity']:.1f} |",
+        "",
+        f"The first row is the training script's evaluation: consecutive windows of {score['window']} tokens "
+        "over the held-out tokens (works separated by `<|endoftext|>`), so a token's context restarts at "
+        f"each window. `gptgen score` (`Generator.score`) reads `{score['file']}` (the two works joined by a "
+        f"blank line) in windows of {score['window']} whose ends advance by {score['stride']}: every token "
+        f"after the first has at least {score['window'] - score['stride']} tokens of context where the text "
+        "has them, hence its lower loss. A test scores the file and checks this row.",
+    ]
 
 
 def _why_this_size(facts: dict[str, Any]) -> list[str]:

@@ -13,12 +13,14 @@ if TYPE_CHECKING:
     from generate.api import Completion, Generator, load
     from generate.engine import GenerationError, TokenCompletion, generate_ids
     from generate.sampling import SamplingParams
+    from generate.score import Score
 
 __all__ = [
     "Completion",
     "GenerationError",
     "Generator",
     "SamplingParams",
+    "Score",
     "TokenCompletion",
     "generate_ids",
     "load",
@@ -32,6 +34,7 @@ _HOMES = {
     "TokenCompletion": "generate.engine",
     "generate_ids": "generate.engine",
     "SamplingParams": "generate.sampling",
+    "Score": "generate.score",
 }
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
-from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import tiktoken
@@ -14,6 +14,8 @@ import checkpoints
 from generate.engine import Engine
 from generate.request import Request, check_prompts, check_seed
 from generate.sampling import SamplingParams
+from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
+from generate.score import Score, score_ids
 from model import GPT, GPTConfig
 
 DEFAULT_CHECKPOINT = "shakespeare"
@@ -67,6 +69,64 @@ class Generator:
             hint = "; decode it first (e.g. .decode('utf-8'))" if binary else ""
             raise TypeError(f"a prompt must be a str, got {type(prompt).__name__}{hint}")
         return self.tokenizer.encode_ordinary(prompt) or [checkpoints.EOT_ID]
+
+    def score(
+        self,
+        text: str | Sequence[int],
+        *,
+        stride: int | None = None,
+        batch_size: int = DEFAULT_SCORE_BATCH,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Score:
+        """How well the model predicts ``text``: per-token log-probabilities, mean NLL, perplexity.
+
+        Every token after the first is scored exactly once, with as much preceding context as the window
+        allows: windows of ``n_positions`` tokens whose ends advance by ``stride`` (default half the
+        window); see :mod:`generate.score`.
+
+        Args:
+            text: the text (encoded as ordinary text: ``"<|endoftext|>"`` in it is not the special token),
+                or its token ids.
+            stride: how far each window's end advances, in 1..n_positions-1.
+            batch_size: windows computed together.
+            progress: called with (tokens scored, tokens to score) after each batch of windows.
+
+        Raises:
+            ValueError: for a text of fewer than two tokens, or a stride or batch size out of range.
+
+        Example:
+            >>> gen.score("To be, or not to be, that is the question").perplexity  # doctest: +SKIP
+        """
+        if isinstance(text, str):
+            ids = self.tokenizer.encode_ordinary(text)
+        elif isinstance(text, (bytes, bytearray)) or not all(isinstance(t, int) for t in text):
+            raise TypeError("text must be a str or a sequence of token ids (ints); decode bytes first")
+        else:
+            ids = list(text)
+        return score_ids(self.model, ids, stride=stride, batch_size=batch_size, progress=progress)
+
+    @torch.inference_mode()
+    def attention(self, text: str) -> torch.Tensor:
+        """The softmax attention weights of every layer's causal attention over ``text``.
+
+        Returns:
+            A float32 tensor of shape (n_layer, n_head, T, T) on the CPU, T being the text's token count
+            (:meth:`encode`: an empty text is the one ``<|endoftext|>`` token): entry ``[l, h, q, k]`` is how
+            much position ``q`` attends to position ``k`` in head ``h`` of layer ``l``. Each row sums to 1;
+            the future (``k > q``) is exactly 0. These are the weights the forward uses, computed explicitly.
+
+        Raises:
+            ValueError: if the text has more tokens than the window (``n_positions``).
+        """
+        ids = self.encode(text)
+        window = self.model.config.n_positions
+        if len(ids) > window:
+            raise ValueError(
+                f"the text has {len(ids)} tokens but the window holds {window}; shorten it to at most "
+                f"{window} tokens"
+            )
+        x = torch.tensor([ids], device=self.model.device)
+        return self.model.attention_weights(x)[:, 0].float().cpu()
 
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.

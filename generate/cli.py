@@ -37,7 +37,9 @@ EXAMPLES = r"""examples:
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
+    """The commands' parser: a usage error is one line on stderr and exit 2."""
+
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as for every usage error
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -136,7 +138,7 @@ def load_generator(args: argparse.Namespace) -> Generator:
 
 def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
     """The command's argument parser (``prog``: its name in messages, ``gptgen generate`` as a subcommand)."""
-    p = _Parser(prog=prog, description=DESCRIPTION, epilog=EXAMPLES,
+    p = CommandParser(prog=prog, description=DESCRIPTION, epilog=EXAMPLES,
                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("prompt", nargs="?", default="-", help="text to continue ('-' or absent: read stdin)")
     p.add_argument(
@@ -212,21 +214,31 @@ def _read_bounded(f: BinaryIO, what: str) -> bytes:
     return data
 
 
-def _read_file(path: str) -> list[tuple[int, str]]:
-    """The non-blank lines of a prompts file with their 1-based line numbers (blank lines counted)."""
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of file ``path`` (``-``: standard input), at most ``MAX_INPUT_BYTES``, without a
+    byte-order mark. ``what`` names the file in errors (``"prompts file"``). Raises ValueError."""
+    name = "standard input" if path == "-" else f"{what} {path}"
     try:
-        with open(path, "rb") as f:
-            data = _read_bounded(f, f"prompts file {path}")
+        if path == "-":
+            if sys.stdin is None:
+                raise ValueError("standard input is closed; give a file, or pipe the text in")
+            data = _read_bounded(sys.stdin.buffer, name)
+        else:
+            with open(path, "rb") as f:
+                data = _read_bounded(f, name)
     except OSError as e:
-        raise ValueError(f"cannot read prompts file {path}: {e.strerror or e}") from e
+        raise ValueError(f"cannot read {name}: {e.strerror or e}") from e
     try:
-        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the text
+        return data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the text
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(
-            f"prompts file {path} is not valid UTF-8 (line {line}, byte {e.start}); convert it to UTF-8"
-        ) from e
-    lines = (line.removesuffix("\r") for line in text.split("\n"))
+        where = f"line {line}, byte {e.start}"
+        raise ValueError(f"{name} is not valid UTF-8 ({where}); convert it to UTF-8") from e
+
+
+def _read_file(path: str) -> list[tuple[int, str]]:
+    """The non-blank lines of a prompts file with their 1-based line numbers (blank lines counted)."""
+    lines = (line.removesuffix("\r") for line in read_text(path, "prompts file").split("\n"))
     return [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
 
 
@@ -243,11 +255,7 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return [(None, _argument_prompt(args.prompt, parser))]
     if sys.stdin is None or sys.stdin.isatty():
         parser.error("no prompt: give one as an argument, or pipe it to standard input")
-    data = _read_bounded(sys.stdin.buffer, "standard input")
-    try:
-        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark is not part of the prompt
-    except UnicodeDecodeError as e:
-        raise ValueError(f"standard input is not valid UTF-8 (byte {e.start}); convert it to UTF-8") from e
+    text = read_text("-", "standard input")
     # One line ending, as `echo` or a Windows editor writes it, ends the prompt; it is not part of it.
     return [(None, text[:-2] if text.endswith("\r\n") else text.removesuffix("\n"))]
 
@@ -377,12 +385,12 @@ def main(argv: list[str] | None = None, prog: str = "generate") -> int:
         return 0
     # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        print(f"{prog}: error: {_message(e)}", file=sys.stderr)
+        print(f"{prog}: error: {error_message(e)}", file=sys.stderr)
         return 1
     return 0
 
 
-def _message(error: BaseException) -> str:
+def error_message(error: BaseException) -> str:
     """One line for the error, long paths shortened. The allocator's failures (a ``RuntimeError`` such as
     ``[enforce fail at alloc_cpu.cpp...]``, or the engine's MemoryError made from one) say what to change
     in this command."""

@@ -1,20 +1,23 @@
 """The ``gptgen`` command: the toolkit's tools as subcommands.
 
 ``gptgen generate`` is the ``generate`` command (same options); ``gptgen serve`` runs the OpenAI-compatible
-server. Each subcommand's module is imported only when it runs, so ``gptgen --help`` is instant.
+server; ``gptgen score`` scores a text (mean NLL, perplexity); ``gptgen attention`` draws attention maps.
+Each subcommand's module is imported only when it runs, so ``gptgen --help`` is instant.
 """
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = {
-    "generate": ("generate.cli", "continue a prompt (the generate command)"),
-    "serve": ("generate.serve", "serve a model over OpenAI's HTTP API"),
+COMMANDS = {  # name: (module, function, what it does)
+    "generate": ("generate.cli", "main", "continue a prompt (the generate command)"),
+    "serve": ("generate.serve", "main", "serve a model over OpenAI's HTTP API"),
+    "score": ("generate.tools", "score_main", "score a text: mean NLL and perplexity"),
+    "attention": ("generate.tools", "attention_main", "draw a model's causal attention over a text"),
 }
 USAGE = (
     "usage: gptgen COMMAND [options]   (gptgen COMMAND --help for a command's options)\n\ncommands:\n"
-    + "".join(f"  {name:<10} {about}\n" for name, (_, about) in COMMANDS.items())
+    + "".join(f"  {name:<10} {about}\n" for name, (_, _, about) in COMMANDS.items())
 )
 
 
@@ -32,10 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(COMMANDS[name][0])
+    module, function, _ = COMMANDS[name]
+    run = getattr(importlib.import_module(module), function)
     if name == "generate":
-        return module.main(rest, prog="gptgen generate")
-    return module.main(rest)
+        return run(rest, prog="gptgen generate")
+    return run(rest)
 
 
 if __name__ == "__main__":

@@ -17,22 +17,23 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any, NoReturn
+from typing import Any
 
-from generate.cli import add_model_options, check_model_options, import_holding_signals, load_generator
+from generate.cli import (
+    CommandParser,
+    add_model_options,
+    check_model_options,
+    import_holding_signals,
+    load_generator,
+)
 
 DEFAULT_CHECKPOINT = "shakespeare"
 PROG = "gptgen serve"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command's argument parser."""
-    p = _Parser(
+    p = CommandParser(
         prog=PROG,
         description="Serve a GPT-2-family checkpoint over OpenAI's HTTP API "
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",

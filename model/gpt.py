@@ -165,28 +165,58 @@ class GPT(nn.Module):
         Raises:
             ValueError: if the positions exceed ``n_positions``, the cache or the span, or shapes disagree.
         """
-        t = input_ids.shape[1]
-        if t == 0:
+        if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
         if cache is None:
             if positions is not None or slot is not None or span is not None:
                 raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
-            if t > self.config.n_positions:
-                raise ValueError(
-                    f"{t} positions exceed the model's context window n_positions={self.config.n_positions}; "
-                    f"shorten the input to at most {self.config.n_positions} tokens"
-                )
-            positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
-            kvs = [None] * len(self.h)
+            x = self._reference(input_ids)
         else:
             span = self._check_cached(input_ids, positions, cache, slot, span)
-            kvs = [cache.layer(i, slot) for i in range(len(self.h))]
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-        for block, kv in zip(self.h, kvs, strict=True):
-            x = block(x, positions=positions if kv is not None else None, kv=kv, span=span)
+            x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+            for i, block in enumerate(self.h):
+                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The reference forward up to the output head: (B, T, n_embd), after ``ln_f``.
+
+        ``self.wte.project`` of it is :meth:`forward`'s logits; scoring projects only the positions it
+        scores (a whole window's logits are T x 50,257 floats).
+        """
+        return self.ln_f(self._reference(input_ids))
+
+    def attention_weights(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Every layer's causal softmax attention weights for the reference forward: (n_layer, B, n_head,
+        T, T). Row ``q`` of a head holds how much position ``q`` attends to each position; the future
+        (above the diagonal) is exactly 0. Computed explicitly by each layer's
+        :meth:`CausalAttention.attention_weights` from the input that layer's forward gets."""
+        maps: list[torch.Tensor] = []
+        self._reference(input_ids, maps)
+        return torch.stack(maps)
+
+    def _reference(
+        self, input_ids: torch.Tensor, attention: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The plain full-sequence causal forward (positions ``0 .. T-1``, no cache) up to ``ln_f``;
+        each layer's attention weights are appended to ``attention`` when given."""
+        t = input_ids.shape[1]
+        if t == 0:
+            raise ValueError("input_ids has no positions; pass at least one token per row")
+        if t > self.config.n_positions:
+            raise ValueError(
+                f"{t} positions exceed the model's context window n_positions={self.config.n_positions}; "
+                f"shorten the input to at most {self.config.n_positions} tokens"
+            )
+        positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+        for block in self.h:
+            if attention is not None:
+                attention.append(block.attn.attention_weights(block.ln_1(x)))
+            x = block(x)
+        return x
 
     def _check_cached(
         self,

@@ -300,7 +300,7 @@ def test_invalid_utf8_on_stdin_in_process(ckpt, capsys, monkeypatch):
     set_stdin(monkeypatch, b"ok \xc3\x28")
     assert main(["-c", ckpt, "-n", "2"]) == 1
     line = assert_one_error_line(capsys.readouterr().err)
-    assert "standard input is not valid UTF-8 (byte 3)" in line
+    assert "standard input is not valid UTF-8 (line 1, byte 3)" in line
 
 
 def test_help_mentions_every_sampling_option(capsys):

@@ -218,7 +218,7 @@ def test_prompt_errors(ckpt, tmp_path, capsys, monkeypatch):
     assert_one_line_error(err, f"{re.escape(str(too_long))} line 3: the prompt has 40 tokens")
     code, _, err = run(["-c", ckpt], capsys, monkeypatch, stdin=b"\xff\xfe bad")
     assert code == 1
-    assert_one_line_error(err, r"standard input is not valid UTF-8 \(byte 0\)")
+    assert_one_line_error(err, r"standard input is not valid UTF-8 \(line 1, byte 0\)")
     blank = tmp_path / "blank.txt"
     blank.write_text("\n   \n\n")
     code, _, err = run(["--prompts-file", blank, "-c", ckpt], capsys, monkeypatch)

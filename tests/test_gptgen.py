@@ -38,7 +38,7 @@ def test_help_lists_every_command_and_exits_0(flag, capsys):
     assert gptgen.main([flag]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: gptgen COMMAND")
-    assert "\n  generate " in captured.out and "\n  serve " in captured.out
+    assert all(f"\n  {name} " in captured.out for name in ("generate", "serve", "score", "attention"))
     assert captured.err == ""
 
 
@@ -53,7 +53,7 @@ def test_an_unknown_command_exits_2_with_one_line_naming_it(capsys):
     assert gptgen.main(["genrate", "Hello"]) == 2
     captured = capsys.readouterr()
     line = one_line(captured.err)
-    assert line == "gptgen: error: unknown command 'genrate'; choose one of generate, serve"
+    assert line == "gptgen: error: unknown command 'genrate'; choose one of generate, serve, score, attention"
     assert captured.out == ""
 
 
@@ -126,3 +126,12 @@ def test_serve_usage_error_in_a_subprocess():
     result = run_gptgen("serve", "--port", "70000")
     assert result.returncode == 2 and result.stdout == b""
     assert "--port must be in 0..65535, got 70000" in one_line(result.stderr.decode())
+
+
+@pytest.mark.parametrize("name", ["score", "attention"])
+def test_score_and_attention_help_and_usage_errors(name, capsys):
+    assert gptgen.main([name, "--help"]) == 0
+    assert capsys.readouterr().out.startswith(f"usage: gptgen {name} ")
+    assert gptgen.main([name, "x", "--bogus", "-o", "a.png"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"gptgen {name}: error: unrecognized arguments: --bogus")

@@ -1,0 +1,278 @@
+"""The ``gptgen score`` and ``gptgen attention`` commands: measure a model on a text, and picture its
+causal attention.
+
+Like ``generate``, only the standard library is imported at module level; torch, the model and matplotlib
+are imported once the options are read (with Ctrl-C held during torch's import, see
+:func:`generate.cli.import_holding_signals`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from generate.cli import (
+    DEFAULT_CHECKPOINT,
+    CommandParser,
+    add_model_options,
+    check_model_options,
+    error_message,
+    import_holding_signals,
+    load_generator,
+    read_text,
+)
+
+MAX_MASK_TOKENS = 1024  # --mask loads no model, so no window bounds the text: this does
+PICTURE_FORMATS = (".png", ".svg", ".pdf")
+DTYPE_HELP = "weights and compute (default float32); int8 and int4 weights compute in bf16"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checkpoint",
+        "-c",
+        default=DEFAULT_CHECKPOINT,
+        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
+    )
+    add_model_options(p, dtype_help=DTYPE_HELP)
+    p.set_defaults(compile=False)
+
+
+def _run(main: Callable[[argparse.Namespace, argparse.ArgumentParser], None], parser: argparse.ArgumentParser,
+         argv: list[str] | None) -> int:  # fmt: skip
+    """Run a command's body with the commands' error handling: one line on stderr, exit 1 (2 for usage)."""
+    try:
+        main(parser.parse_args(argv), parser)
+    except SystemExit as e:  # a usage error (2) or --help (0): the status, not an exception
+        return e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        _clear_progress()
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 0
+    except (ValueError, TypeError, MemoryError, RuntimeError, OSError, ImportError) as e:
+        _clear_progress()
+        print(f"{parser.prog}: error: {error_message(e)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- gptgen score -------------------------------------------------------------------------------------------
+
+SCORE_EXAMPLES = r"""examples:
+  gptgen score checkpoints/shakespeare/heldout.txt         # the shipped model's held-out text (its card)
+  cat notes.txt | gptgen score -c path/to/checkpoint --json
+  gptgen score book.txt --stride 128 --dtype bfloat16"""
+
+_progress_shown = False
+
+
+def build_score_parser() -> argparse.ArgumentParser:
+    """The ``gptgen score`` command's argument parser."""
+    p = CommandParser(
+        prog="gptgen score",
+        description="Score a text under a model: tokens scored, mean negative log-likelihood (nats/token) "
+        "and perplexity. Windows of the model's n_positions tokens advance by --stride; every token after "
+        "the first is scored once, with at least n_positions - stride tokens of context where the text has "
+        "them.",
+        epilog=SCORE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("file", nargs="?", default="-", help="UTF-8 text file ('-' or absent: standard input)")
+    _common(p)
+    p.add_argument("--stride", type=int, help="tokens each window's end advances (default half the window)")
+    p.add_argument("--batch-size", type=int, default=4, help="windows computed together (default 4)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: the figures, window, stride, token_ids and token_logprobs",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
+    return p
+
+
+def _progress(start: float) -> Callable[[int, int], None] | None:
+    """A progress bar on stderr (a terminal only): tokens scored, percent, speed."""
+    if sys.stderr is None or not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        global _progress_shown
+        rate = done / max(time.perf_counter() - start, 1e-9)
+        sys.stderr.write(
+            f"\r\x1b[Kscoring: {done:,}/{total:,} tokens ({done / total:.0%}), {rate:,.0f} tok/s"
+        )
+        sys.stderr.flush()
+        _progress_shown = True
+
+    return show
+
+
+def _clear_progress() -> None:
+    global _progress_shown
+    if _progress_shown and sys.stderr is not None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
+        _progress_shown = False
+
+
+def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    check_model_options(args, parser)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.stride is not None and args.stride < 1:
+        parser.error(f"--stride must be >= 1, got {args.stride}")
+    if args.file == "-" and (sys.stdin is None or sys.stdin.isatty()):
+        parser.error("no text: give a file, or pipe the text to standard input")
+    text = read_text(args.file, "file")
+    import_holding_signals("generate.api")
+    gen = load_generator(args)
+    start = time.perf_counter()
+    progress = None if args.no_progress else _progress(start)
+    score = gen.score(text, stride=args.stride, batch_size=args.batch_size, progress=progress)
+    seconds = time.perf_counter() - start
+    _clear_progress()
+    if args.json:
+        record = {"file": args.file, **score.to_dict(), "seconds": round(seconds, 3)}
+        sys.stdout.write(json.dumps(record) + "\n")
+        return
+    sys.stdout.write(
+        f"tokens      {score.tokens:,}\n"
+        f"mean NLL    {score.mean_nll:.4f} nats/token\n"
+        f"perplexity  {score.perplexity:.2f}\n"
+        f"windows     {score.window} tokens, stride {score.stride}; {seconds:.1f} s "
+        f"({score.tokens / seconds:,.0f} tokens/s)\n"
+    )
+
+
+def score_main(argv: list[str] | None = None) -> int:
+    """Run ``gptgen score``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    return _run(_score, build_score_parser(), argv)
+
+
+# --- gptgen attention ---------------------------------------------------------------------------------------
+
+ATTENTION_EXAMPLES = r"""examples:
+  gptgen attention "To be, or not to be" -o heads.png              # layer 0, every head in a grid
+  gptgen attention "To be, or not to be" -o head.png --layer 3 --head 1
+  gptgen attention "To be, or not to be" -o mean.png --layer -1 --mean
+  gptgen attention "To be, or not to be" -o mask.png --mask        # the causal mask itself"""
+
+
+def build_attention_parser() -> argparse.ArgumentParser:
+    """The ``gptgen attention`` command's argument parser."""
+    p = CommandParser(
+        prog="gptgen attention",
+        description="Draw a model's causal attention over a text as a heatmap: queries down, keys across, "
+        "the masked future hatched. One head (--layer and --head), one layer's heads as a grid (--layer "
+        "alone), the layer's mean over heads (--mean), or the causal mask itself (--mask).",
+        epilog=ATTENTION_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("text", nargs="?", default="-", help="the text ('-' or absent: standard input)")
+    p.add_argument("--output", "-o", required=True, help="the picture to write: .png, .svg or .pdf")
+    _common(p)
+    p.add_argument("--layer", type=int, default=0, help="the layer, from 0; negative counts from the last")
+    p.add_argument("--head", type=int, help="one head of the layer, from 0 (default: all heads, a grid)")
+    p.add_argument("--mean", action="store_true", help="the mean over the layer's heads")
+    p.add_argument("--mask", action="store_true", help="draw the causal mask (0 and -inf), no model run")
+    p.add_argument("--size", default=None, metavar="WxH", help="picture size in pixels, e.g. 1200x1000")
+    return p
+
+
+def _size(text: str | None, parser: argparse.ArgumentParser) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not match or not all(100 <= int(v) <= 10_000 for v in match.groups()):
+        parser.error(f"--size {text!r} must be WIDTHxHEIGHT in pixels, each 100..10000, e.g. 1200x1000")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    check_model_options(args, parser)
+    output = Path(args.output)
+    if output.suffix.lower() not in PICTURE_FORMATS:
+        parser.error(f"--output {args.output!r} must end in {', '.join(PICTURE_FORMATS)}")
+    if args.head is not None and args.mean:
+        parser.error("give --head or --mean, not both")
+    if args.mask and (args.head is not None or args.mean):
+        parser.error("--mask draws the mask alone; leave out --head and --mean")
+    size = _size(args.size, parser)
+    if args.text == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            parser.error("no text: give it as an argument, or pipe it to standard input")
+        text = read_text("-", "text").removesuffix("\n")
+    else:
+        text = args.text
+    from generate.plot import require_matplotlib
+
+    require_matplotlib()  # before any model is loaded
+    import_holding_signals("generate.api")
+    import torch
+
+    if args.mask:
+        from checkpoints import EOT_ID, load_tokenizer
+
+        tokenizer = load_tokenizer()
+        ids = tokenizer.encode_ordinary(text) or [EOT_ID]
+        if len(ids) > MAX_MASK_TOKENS:
+            raise ValueError(f"the text has {len(ids)} tokens; --mask draws at most {MAX_MASK_TOKENS}")
+        t = len(ids)
+        weights = torch.triu(torch.ones(t, t), diagonal=1)
+        titles = [f"causal mask over {t} tokens"]
+        suptitle = "added to the scores before the softmax: 0 where a query may attend, -inf (the future) not"
+    else:
+        gen = load_generator(args)
+        tokenizer, ids = gen.tokenizer, gen.encode(text)
+        n_layer, n_head = gen.model.config.n_layer, gen.model.config.n_head
+        if not -n_layer <= args.layer < n_layer:
+            raise ValueError(f"--layer {args.layer} is out of range; this model has layers 0..{n_layer - 1}")
+        if args.head is not None and not 0 <= args.head < n_head:
+            raise ValueError(f"--head {args.head} is out of range; this model has heads 0..{n_head - 1}")
+        layer = args.layer % n_layer
+        maps = gen.attention(text)[layer]  # (n_head, T, T)
+        if args.head is not None:
+            weights, titles = maps[args.head], [f"layer {layer}, head {args.head}"]
+        elif args.mean:
+            weights, titles = maps.mean(0), [f"layer {layer}, mean of {n_head} heads"]
+        else:
+            weights, titles = maps, [f"head {h}" for h in range(n_head)]
+        suptitle = None if args.head is not None or args.mean else f"layer {layer}: attention weights"
+    from generate.plot import attention_figure
+
+    pieces = [tokenizer.decode([i]) for i in ids]
+    figure = attention_figure(weights, pieces, titles=titles, suptitle=suptitle, size=size, mask=args.mask)
+    _save(figure, output)
+    print(f"wrote {output} ({len(ids)} tokens)", file=sys.stderr)
+
+
+def _save(figure, output: Path) -> None:  # figure: a matplotlib Figure
+    """Write the picture whole or not at all: drawn to a temporary file beside it, then renamed."""
+    directory = output.parent if str(output.parent) else Path(".")
+    if not directory.is_dir():
+        raise ValueError(f"cannot write {output}: the folder {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as an ordinary new file (mkstemp makes it 0600)
+    try:
+        figure.savefig(tmp, format=output.suffix.lower()[1:])
+        os.replace(tmp, output)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def attention_main(argv: list[str] | None = None) -> int:
+    """Run ``gptgen attention``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    return _run(_attention, build_attention_parser(), argv)

@@ -1,0 +1,170 @@
+"""Attention pictures: `Generator.attention` returns the weights the forward uses (rows sum to 1, the future
+exactly 0, equal to transformers' `output_attentions` within 1e-5), and `gptgen attention` writes a valid
+image of the size asked for, or one line of error and no file."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+import sys
+
+import pytest
+import torch
+from _hf_helpers import save_hf
+
+import generate
+from generate.tools import attention_main
+
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind"
+N_LAYER, N_HEAD, WINDOW = 3, 4, 32
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf")
+    hf = save_hf(directory, n_layer=N_LAYER, n_head=N_HEAD, n_embd=32, n_positions=WINDOW)
+    hf.set_attn_implementation("eager")  # (SDPA returns no weights)
+    return hf, generate.load(directory), directory
+
+
+def test_the_weights_are_causal_softmax_rows_equal_to_transformers(pair):
+    hf, gen, _ = pair
+    weights = gen.attention(TEXT)
+    t = len(gen.encode(TEXT))
+    assert weights.shape == (N_LAYER, N_HEAD, t, t) and weights.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(N_LAYER, N_HEAD, t), atol=1e-6, rtol=0)
+    future = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    assert torch.all(weights[..., future] == 0)  # exactly 0, not merely small
+    assert torch.all(weights[..., ~future] > 0)
+    with torch.no_grad():
+        expected = torch.stack(hf(torch.tensor([gen.encode(TEXT)]), output_attentions=True).attentions)[:, 0]
+    torch.testing.assert_close(weights, expected, atol=1e-5, rtol=0)
+
+
+def test_the_weights_are_those_the_forward_uses(pair):
+    """Each layer's weights times its values, projected, equal that layer's attention output."""
+    _, gen, _ = pair
+    model = gen.model
+    ids = torch.tensor([gen.encode(TEXT)])
+    weights = gen.attention(TEXT)
+    inputs = []
+
+    def keep(module, args, out):
+        inputs.append((args[0], out))
+
+    hooks = [b.attn.register_forward_hook(keep) for b in model.h]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        for layer, (x, out) in enumerate(inputs):
+            attn = model.h[layer].attn
+            _, _, v = attn.c_attn(x).split(attn.d_out, dim=2)
+            v = v.view(1, -1, N_HEAD, attn.head_dim).transpose(1, 2)  # (1, nh, T, hs)
+            y = (weights[layer][None] @ v).transpose(1, 2).reshape(1, -1, attn.d_out)
+            torch.testing.assert_close(attn.c_proj(y), out, atol=1e-5, rtol=0)
+
+
+def test_an_empty_text_is_the_end_of_text_token_and_too_long_a_text_is_refused(pair):
+    _, gen, _ = pair
+    assert gen.attention("").shape == (N_LAYER, N_HEAD, 1, 1)
+    with pytest.raises(ValueError, match=rf"the text has \d+ tokens but the window holds {WINDOW}"):
+        gen.attention("word " * 40)
+
+
+def test_a_quantized_model_gives_weights_close_to_fp32(pair):
+    _, gen, directory = pair
+    bf16 = generate.load(directory, dtype="int8").attention(TEXT)
+    assert bf16.dtype == torch.float32
+    assert (bf16 - gen.attention(TEXT)).abs().max() < 0.05
+    torch.testing.assert_close(bf16.sum(-1), torch.ones(bf16.shape[:-1]), atol=1e-2, rtol=0)
+
+
+# --- the command ---
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def run(argv, capsys):
+    code = attention_main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("options", "size"),
+    [([], (900, 860)),  # one layer's 4 heads as a 2 x 2 grid
+     (["--layer", "2", "--head", "3"], (800, 700)),
+     (["--layer", "-1", "--mean"], (800, 700)),
+     (["--mask"], (800, 700)),
+     (["--head", "0", "--size", "640x480"], (640, 480))],
+    ids=["grid", "head", "mean", "mask", "size"],
+)  # fmt: skip
+def test_the_picture_is_a_valid_png_of_the_expected_size(pair, tmp_path, capsys, options, size):
+    from PIL import Image
+
+    _, _, directory = pair
+    out = tmp_path / "attention.png"
+    code, stdout, err = run([TEXT, "-o", out, "-c", directory, *options], capsys)
+    assert code == 0 and stdout == ""
+    assert err == f"wrote {out} ({len(generate.load(directory).encode(TEXT))} tokens)\n"
+    assert png_size(out) == size
+    with Image.open(out) as image:
+        image.verify()
+    with Image.open(out) as image:
+        pixels = torch.tensor(list(image.convert("L").getdata()), dtype=torch.float32)
+    assert pixels.std() > 10  # a picture, not a blank page
+    assert not list(tmp_path.glob(".attention.png.*"))  # no temporary file left behind
+
+
+def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, capsys, monkeypatch):
+    _, _, directory = pair
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(TEXT.encode() + b"\n"), encoding="utf-8"))
+    code, _, err = run(["-o", tmp_path / "a.svg", "-c", directory, "--head", "1"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "a.svg").read_text().lstrip().startswith("<?xml")
+
+
+@pytest.mark.parametrize(
+    ("options", "status", "match"),
+    [(["--layer", "3"], 1, r"--layer 3 is out of range; this model has layers 0\.\.2"),
+     (["--layer", "-4"], 1, r"--layer -4 is out of range"),
+     (["--head", "4"], 1, r"--head 4 is out of range; this model has heads 0\.\.3"),
+     (["--head", "1", "--mean"], 2, "give --head or --mean, not both"),
+     (["--mask", "--head", "1"], 2, "--mask draws the mask alone"),
+     (["--size", "10x10"], 2, r"--size '10x10' must be WIDTHxHEIGHT in pixels, each 100\.\.10000"),
+     (["-o", "{dir}/a.bmp"], 2, r"--output .*a\.bmp' must end in \.png, \.svg, \.pdf"),
+     (["-o", "{dir}/nowhere/a.png"], 1, r"cannot write .*/a\.png: the folder .*nowhere does not exist"),
+     (["--text", "word " * 40], 1, rf"the text has \d+ tokens but the window holds {WINDOW}")],
+)  # fmt: skip
+def test_command_errors_are_one_line_and_write_nothing(pair, tmp_path, capsys, options, status, match):
+    _, _, directory = pair
+    options = [o.format(dir=tmp_path) for o in options]
+    text = TEXT
+    if options[0] == "--text":
+        text, options = options[1], []
+    argv = [text, "-c", directory, *(options if "-o" in options else ["-o", tmp_path / "a.png", *options])]
+    code, out, err = run(argv, capsys)
+    assert code == status and out == ""
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(match, err), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_matplotlib_the_command_says_what_to_install(pair, tmp_path, capsys, monkeypatch):
+    _, _, directory = pair
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    code, _, err = run([TEXT, "-o", tmp_path / "a.png", "-c", directory], capsys)
+    assert code == 1
+    assert err == (
+        "gptgen attention: error: pictures need matplotlib; install the extra with pip install -e '.[plot]'\n"
+    )
+    assert list(tmp_path.iterdir()) == []
