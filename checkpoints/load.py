@@ -162,6 +162,8 @@ def _config(config: GPTConfig | str) -> GPTConfig:
             "the config is empty; give a config.json path, a checkpoint directory or a preset name "
             f"({', '.join(PRESETS)})"
         )
+    if isinstance(config, str) and config in PRESETS:  # a preset name, even beside a file of that name
+        return GPTConfig.from_preset(config)  # (write ./gpt2 for the file)
     path = Path(config).expanduser()
     if path.is_dir():  # a checkpoint directory: its config.json
         return read_config(path / "config.json")

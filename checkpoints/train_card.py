@@ -62,7 +62,8 @@ def _text_score(facts: dict[str, Any]) -> list[str]:
         f"each window. `gptgen score` (`Generator.score`) reads `{score['file']}` (the two works joined by a "
         f"blank line) in windows of {score['window']} whose ends advance by {score['stride']}: every token "
         f"after the first has at least {score['window'] - score['stride']} tokens of context where the text "
-        "has them, hence its lower loss. A test scores the file and checks this row.",
+        f"has them{', hence its lower loss' if score['mean_nll'] < facts['held_out_loss'] else ''}. A test "
+        "scores the file and checks this row.",
     ]
 
 

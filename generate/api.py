@@ -12,6 +12,7 @@ import torch
 
 import checkpoints
 from generate.engine import Engine
+from generate.memory import said_plainly
 from generate.request import Request, check_prompts, check_seed
 from generate.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
@@ -93,6 +94,8 @@ class Generator:
 
         Raises:
             ValueError: for a text of fewer than two tokens, or a stride or batch size out of range.
+            TypeError: if ``text`` is neither a str nor a sequence of ints.
+            GenerationError: if the logits hold NaN or infinity; MemoryError: out of memory (said plainly).
 
         Example:
             >>> gen.score("To be, or not to be, that is the question").perplexity  # doctest: +SKIP
@@ -106,27 +109,40 @@ class Generator:
         return score_ids(self.model, ids, stride=stride, batch_size=batch_size, progress=progress)
 
     @torch.inference_mode()
-    def attention(self, text: str) -> torch.Tensor:
+    def attention(self, text: str, *, layer: int | None = None) -> torch.Tensor:
         """The softmax attention weights of every layer's causal attention over ``text``.
 
+        Args:
+            text: the text (:meth:`encode`: an empty text is the one ``<|endoftext|>`` token).
+            layer: only this layer (from 0; negative counts from the last): a (n_head, T, T) tensor.
+
         Returns:
-            A float32 tensor of shape (n_layer, n_head, T, T) on the CPU, T being the text's token count
-            (:meth:`encode`: an empty text is the one ``<|endoftext|>`` token): entry ``[l, h, q, k]`` is how
-            much position ``q`` attends to position ``k`` in head ``h`` of layer ``l``. Each row sums to 1;
-            the future (``k > q``) is exactly 0. These are the weights the forward uses, computed explicitly.
+            A float32 tensor of shape (n_layer, n_head, T, T) on the CPU, T being the text's token count:
+            entry ``[l, h, q, k]`` is how much position ``q`` attends to position ``k`` in head ``h`` of
+            layer ``l``. Each row sums to 1; the future (``k > q``) is exactly 0. These are the weights the
+            forward uses, computed explicitly.
 
         Raises:
-            ValueError: if the text has more tokens than the window (``n_positions``).
+            ValueError: if the text has more tokens than the window (``n_positions``), or ``layer`` is out
+                of range.
+            MemoryError: if the allocator runs out of memory (said plainly).
         """
         ids = self.encode(text)
-        window = self.model.config.n_positions
+        window, n_layer = self.model.config.n_positions, self.model.config.n_layer
         if len(ids) > window:
             raise ValueError(
                 f"the text has {len(ids)} tokens but the window holds {window}; shorten it to at most "
                 f"{window} tokens"
             )
+        if layer is not None and (
+            isinstance(layer, bool) or not isinstance(layer, int) or not -n_layer <= layer < n_layer
+        ):
+            raise ValueError(f"layer={layer!r} is out of range; this model has layers 0..{n_layer - 1}")
         x = torch.tensor([ids], device=self.model.device)
-        return self.model.attention_weights(x)[:, 0].float().cpu()
+        with said_plainly("give a shorter text, one layer (layer=), or use a smaller dtype"):
+            if layer is not None:
+                return self.model.attention_weights(x, [layer % n_layer])[0, 0].float().cpu()
+            return self.model.attention_weights(x)[:, 0].float().cpu()
 
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.

@@ -12,7 +12,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 if TYPE_CHECKING:
@@ -366,43 +366,68 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
     _run(gen, [prompt for _, prompt in prompts], args, out)
 
 
+GENERATE_MEMORY_ADVICE = (
+    "use a smaller --batch-size or --max-new-tokens, a shorter prompt, or a smaller --dtype"
+)
+
+
 def main(argv: list[str] | None = None, prog: str = "generate") -> int:
     """Run the command; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     out = _Output()
     if sys.stdout is None:  # started with standard output closed (`>&-`): nowhere to write the text
         print(f"{prog}: error: standard output is closed; redirect it to a file instead", file=sys.stderr)
         return 1
-    try:
-        parser = build_parser(prog)
-        _generate(parser.parse_args(argv), parser, out)
-    except KeyboardInterrupt:
-        if out.partial:  # end a streamed line; a JSON or finished line is left whole
+
+    def end_line() -> None:  # end a streamed line; a JSON or finished line is left whole
+        if out.partial:
             sys.stdout.write("\n")
             sys.stdout.flush()
+
+    def body() -> None:
+        parser = build_parser(prog)
+        _generate(parser.parse_args(argv), parser, out)
+
+    return run_command(prog, body, memory_advice=GENERATE_MEMORY_ADVICE, on_stop=end_line)
+
+
+def run_command(
+    prog: str, body: Callable[[], None], *, memory_advice: str, on_stop: Callable[[], None] | None = None
+) -> int:
+    """Run a command's body with the commands' endings: 0 when it returns; 130 on Ctrl-C; 0, quietly, when
+    the reader of standard output went away (``| head``); 1 with one line on stderr for a documented error
+    (out of memory said with ``memory_advice``). ``on_stop`` runs first on Ctrl-C or an error. A usage
+    error leaves as argparse's ``SystemExit(2)``."""
+    try:
+        body()
+    except KeyboardInterrupt:
+        if on_stop is not None:
+            on_stop()
         return 130
     except BrokenPipeError:
-        sys.stderr.close()  # the reader went away (e.g. `| head`): stop quietly
+        sys.stderr.close()
         return 0
     # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        print(f"{prog}: error: {error_message(e)}", file=sys.stderr)
+        if on_stop is not None:
+            on_stop()
+        print(f"{prog}: error: {error_message(e, memory_advice)}", file=sys.stderr)
         return 1
     return 0
 
 
-def error_message(error: BaseException) -> str:
+def error_message(error: BaseException, memory_advice: str = GENERATE_MEMORY_ADVICE) -> str:
     """One line for the error, long paths shortened. The allocator's failures (a ``RuntimeError`` such as
-    ``[enforce fail at alloc_cpu.cpp...]``, or the engine's MemoryError made from one) say what to change
-    in this command."""
+    ``[enforce fail at alloc_cpu.cpp...]``, or a MemoryError made from one) end with ``memory_advice``:
+    what to change in this command."""
     from checkpoints.errors import elide
 
     allocator = error.__cause__ if isinstance(error, MemoryError) else error
     if isinstance(allocator, RuntimeError):
         from generate.memory import out_of_memory
 
-        advice = "use a smaller --batch-size or --max-new-tokens, a shorter prompt, or a smaller --dtype"
-        error = out_of_memory(allocator, advice) or error
-    return elide(str(error).replace("\n", " "))  # one line, with any huge path shortened
+        error = out_of_memory(allocator, memory_advice) or error
+    text = str(error) or ("out of memory" if isinstance(error, MemoryError) else type(error).__name__)
+    return elide(text.replace("\n", " "))  # one line, with any huge path shortened
 
 
 if __name__ == "__main__":

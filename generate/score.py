@@ -20,15 +20,18 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from generate.engine import GenerationError
 from generate.kernels import OneDNNLinear, onednn_pays
+from generate.memory import said_plainly
 from model import GPT
 
 # Rows of the output head computed at once: (rows x vocabulary) fp32 logits, 51 MiB for GPT-2's 50,257.
 HEAD_ROWS = 256
 DEFAULT_BATCH_SIZE = 4  # windows per forward
-# Whether oneDNN runs a model's fp32 head products of HEAD_ROWS rows faster than F.linear (MKL), measured
-# once per model (about 0.5 s for the shipped model). Measured on a 2-core AMD EPYC Zen 4: 256 rows of the
-# shipped model's 50,257 x 256 head took 53 ms in oneDNN and 81 ms in F.linear.
+# Whether oneDNN runs a model's fp32 products of HEAD_ROWS rows faster than F.linear (MKL), measured once per
+# model on its head and one block's products (kernels.onednn_pays; about 0.5 s for the shipped model); only
+# the head's products take the route here. On a 2-core AMD EPYC Zen 4, 256 rows of the shipped model's
+# 50,257 x 256 head took 53 ms in oneDNN and 81 ms in F.linear.
 _ONEDNN_HEAD: weakref.WeakKeyDictionary[GPT, bool] = weakref.WeakKeyDictionary()
 
 
@@ -110,11 +113,27 @@ def score_ids(
         batch_size: windows computed together.
         progress: called with (tokens scored so far, tokens to score) after each batch.
 
+    The model is scored as it computes: in bf16 and the quantized modes the logits are bf16, as in
+    generation, so each token's log-probability carries bf16's rounding (its spacing is 1/16 at logits of
+    8-16); the mean over many tokens much less (the tests bound the mean's change from fp32).
+
     Raises:
         ValueError: for fewer than two tokens, an id outside the vocabulary, or a stride or batch size out
             of range.
+        GenerationError: if the model's logits hold NaN or infinity (a corrupt checkpoint, fp16 overflow).
+        MemoryError: if the allocator runs out of memory (said plainly).
     """
-    ids = list(ids)
+    with said_plainly("score fewer windows at once (batch_size), or use a smaller dtype"):
+        return _score_ids(model, list(ids), stride, batch_size, progress)
+
+
+def _score_ids(
+    model: GPT,
+    ids: list[int],
+    stride: int | None,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None,
+) -> Score:
     cfg = model.config
     if len(ids) < 2:
         raise ValueError(
@@ -150,6 +169,12 @@ def score_ids(
         for start in range(0, len(rows), HEAD_ROWS):
             with head_route():
                 logits = model.wte.project(rows[start : start + HEAD_ROWS]).float()  # (rows, V)
+            if not torch.isfinite(logits).all():
+                raise GenerationError(
+                    f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring tokens "
+                    f"{done + start + 1}..{done + start + len(logits)}; the checkpoint may be corrupt, or "
+                    "float16 overflowed (try dtype='float32' or 'bfloat16')"
+                )
             # (cross_entropy's fused log-softmax: a third faster here than gather minus logsumexp)
             nll = F.cross_entropy(logits, targets[start : start + HEAD_ROWS], reduction="none")
             logprobs.append(-nll.cpu())
@@ -161,7 +186,7 @@ def score_ids(
     return Score(
         tokens=len(values),
         mean_nll=mean_nll,
-        perplexity=math.exp(mean_nll),
+        perplexity=math.exp(mean_nll) if mean_nll < 709 else math.inf,  # (exp overflows a float past 709.78)
         token_logprobs=values.tolist(),
         token_ids=ids,
         window=min(cfg.n_positions, len(ids)),

@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         import_holding_signals("generate.server")  # torch and the rest, before the stop handlers are in place
     except KeyboardInterrupt:
         return 0  # stopped before it listened
-    except ImportError:
+    except ImportError as e:
+        extra = (e.name or "").split(".")[0] in ("uvicorn", "starlette")
         print(
-            "gptgen serve: error: the server needs its extra; install it with pip install -e '.[server]'",
+            "gptgen serve: error: the server needs its extra; install it with pip install -e '.[server]'"
+            if extra
+            else f"gptgen serve: error: {e}",
             file=sys.stderr,
         )
         return 1

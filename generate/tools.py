@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -23,12 +24,13 @@ from generate.cli import (
     CommandParser,
     add_model_options,
     check_model_options,
-    error_message,
     import_holding_signals,
     load_generator,
     read_text,
+    run_command,
 )
 
+SCORE_BATCH_SIZE = 4  # generate.score.DEFAULT_BATCH_SIZE, repeated so --help needs no torch
 MAX_MASK_TOKENS = 1024  # --mask loads no model, so no window bounds the text: this does
 PICTURE_FORMATS = (".png", ".svg", ".pdf")
 DTYPE_HELP = "weights and compute (default float32); int8 and int4 weights compute in bf16"
@@ -45,24 +47,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.set_defaults(compile=False)
 
 
-def _run(main: Callable[[argparse.Namespace, argparse.ArgumentParser], None], parser: argparse.ArgumentParser,
-         argv: list[str] | None) -> int:  # fmt: skip
-    """Run a command's body with the commands' error handling: one line on stderr, exit 1 (2 for usage)."""
-    try:
+def _run(
+    main: Callable[[argparse.Namespace, argparse.ArgumentParser], None],
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    memory_advice: str,
+) -> int:
+    def body() -> None:
         main(parser.parse_args(argv), parser)
-    except SystemExit as e:  # a usage error (2) or --help (0): the status, not an exception
-        return e.code if isinstance(e.code, int) else 1
-    except KeyboardInterrupt:
-        _clear_progress()
-        return 130
-    except BrokenPipeError:
-        sys.stderr.close()
-        return 0
-    except (ValueError, TypeError, MemoryError, RuntimeError, OSError, ImportError) as e:
-        _clear_progress()
-        print(f"{parser.prog}: error: {error_message(e)}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run_command(parser.prog, body, memory_advice=memory_advice, on_stop=_clear_progress)
+
+
+def _stdin_text(parser: argparse.ArgumentParser, what: str) -> str:
+    """The text piped to standard input; a usage error when none is (a terminal, or closed)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        parser.error(f"no text: give {what}, or pipe the text to standard input")
+    return read_text("-", "text")
 
 
 # --- gptgen score -------------------------------------------------------------------------------------------
@@ -89,7 +90,12 @@ def build_score_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", default="-", help="UTF-8 text file ('-' or absent: standard input)")
     _common(p)
     p.add_argument("--stride", type=int, help="tokens each window's end advances (default half the window)")
-    p.add_argument("--batch-size", type=int, default=4, help="windows computed together (default 4)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=SCORE_BATCH_SIZE,
+        help=f"windows computed together (default {SCORE_BATCH_SIZE}; fewer need less memory)",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -130,9 +136,7 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stride is not None and args.stride < 1:
         parser.error(f"--stride must be >= 1, got {args.stride}")
-    if args.file == "-" and (sys.stdin is None or sys.stdin.isatty()):
-        parser.error("no text: give a file, or pipe the text to standard input")
-    text = read_text(args.file, "file")
+    text = _stdin_text(parser, "a file") if args.file == "-" else read_text(args.file, "file")
     import_holding_signals("generate.api")
     gen = load_generator(args)
     start = time.perf_counter()
@@ -142,6 +146,8 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     _clear_progress()
     if args.json:
         record = {"file": args.file, **score.to_dict(), "seconds": round(seconds, 3)}
+        if math.isinf(score.perplexity):
+            record["perplexity"] = None  # past a float's range (mean NLL > 709); JSON has no infinity
         sys.stdout.write(json.dumps(record) + "\n")
         return
     sys.stdout.write(
@@ -155,7 +161,8 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def score_main(argv: list[str] | None = None) -> int:
     """Run ``gptgen score``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    return _run(_score, build_score_parser(), argv)
+    advice = "use a smaller --batch-size (windows at once) or a smaller --dtype"
+    return _run(_score, build_score_parser(), argv, advice)
 
 
 # --- gptgen attention ---------------------------------------------------------------------------------------
@@ -180,7 +187,7 @@ def build_attention_parser() -> argparse.ArgumentParser:
     p.add_argument("text", nargs="?", default="-", help="the text ('-' or absent: standard input)")
     p.add_argument("--output", "-o", required=True, help="the picture to write: .png, .svg or .pdf")
     _common(p)
-    p.add_argument("--layer", type=int, default=0, help="the layer, from 0; negative counts from the last")
+    p.add_argument("--layer", type=int, help="the layer, from 0 (default); negative counts from the last")
     p.add_argument("--head", type=int, help="one head of the layer, from 0 (default: all heads, a grid)")
     p.add_argument("--mean", action="store_true", help="the mean over the layer's heads")
     p.add_argument("--mask", action="store_true", help="draw the causal mask (0 and -inf), no model run")
@@ -204,15 +211,10 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         parser.error(f"--output {args.output!r} must end in {', '.join(PICTURE_FORMATS)}")
     if args.head is not None and args.mean:
         parser.error("give --head or --mean, not both")
-    if args.mask and (args.head is not None or args.mean):
-        parser.error("--mask draws the mask alone; leave out --head and --mean")
+    if args.mask and (args.head is not None or args.mean or args.layer is not None):
+        parser.error("--mask draws the mask alone; leave out --layer, --head and --mean")
     size = _size(args.size, parser)
-    if args.text == "-":
-        if sys.stdin is None or sys.stdin.isatty():
-            parser.error("no text: give it as an argument, or pipe it to standard input")
-        text = read_text("-", "text").removesuffix("\n")
-    else:
-        text = args.text
+    text = _stdin_text(parser, "it as an argument").removesuffix("\n") if args.text == "-" else args.text
     from generate.plot import require_matplotlib
 
     require_matplotlib()  # before any model is loaded
@@ -225,7 +227,9 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         tokenizer = load_tokenizer()
         ids = tokenizer.encode_ordinary(text) or [EOT_ID]
         if len(ids) > MAX_MASK_TOKENS:
-            raise ValueError(f"the text has {len(ids)} tokens; --mask draws at most {MAX_MASK_TOKENS}")
+            raise ValueError(
+                f"the text has {len(ids)} tokens; --mask draws at most {MAX_MASK_TOKENS}: shorten the text"
+            )
         t = len(ids)
         weights = torch.triu(torch.ones(t, t), diagonal=1)
         titles = [f"causal mask over {t} tokens"]
@@ -234,12 +238,13 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         gen = load_generator(args)
         tokenizer, ids = gen.tokenizer, gen.encode(text)
         n_layer, n_head = gen.model.config.n_layer, gen.model.config.n_head
-        if not -n_layer <= args.layer < n_layer:
-            raise ValueError(f"--layer {args.layer} is out of range; this model has layers 0..{n_layer - 1}")
+        layer = 0 if args.layer is None else args.layer
+        if not -n_layer <= layer < n_layer:
+            raise ValueError(f"--layer {layer} is out of range; this model has layers 0..{n_layer - 1}")
         if args.head is not None and not 0 <= args.head < n_head:
             raise ValueError(f"--head {args.head} is out of range; this model has heads 0..{n_head - 1}")
-        layer = args.layer % n_layer
-        maps = gen.attention(text)[layer]  # (n_head, T, T)
+        layer %= n_layer
+        maps = gen.attention(text, layer=layer)  # (n_head, T, T)
         if args.head is not None:
             weights, titles = maps[args.head], [f"layer {layer}, head {args.head}"]
         elif args.mean:
@@ -257,7 +262,7 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
 def _save(figure, output: Path) -> None:  # figure: a matplotlib Figure
     """Write the picture whole or not at all: drawn to a temporary file beside it, then renamed."""
-    directory = output.parent if str(output.parent) else Path(".")
+    directory = output.parent
     if not directory.is_dir():
         raise ValueError(f"cannot write {output}: the folder {directory} does not exist")
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
@@ -275,4 +280,4 @@ def _save(figure, output: Path) -> None:  # figure: a matplotlib Figure
 
 def attention_main(argv: list[str] | None = None) -> int:
     """Run ``gptgen attention``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
-    return _run(_attention, build_attention_parser(), argv)
+    return _run(_attention, build_attention_parser(), argv, "use a shorter text or a smaller --dtype")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -188,20 +188,24 @@ class GPT(nn.Module):
         """
         return self.ln_f(self._reference(input_ids))
 
-    def attention_weights(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Every layer's causal softmax attention weights for the reference forward: (n_layer, B, n_head,
-        T, T). Row ``q`` of a head holds how much position ``q`` attends to each position; the future
-        (above the diagonal) is exactly 0. Computed explicitly by each layer's
-        :meth:`CausalAttention.attention_weights` from the input that layer's forward gets."""
-        maps: list[torch.Tensor] = []
+    def attention_weights(self, input_ids: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Causal softmax attention weights of the reference forward: (len(layers), B, n_head, T, T), every
+        layer by default. Row ``q`` of a head holds how much position ``q`` attends to each position; in
+        eval mode each row sums to 1 and the future (above the diagonal) is exactly 0. Computed explicitly
+        by each layer's :meth:`CausalAttention.attention_weights` from the input that layer's forward
+        gets; only the layers asked for are kept (all of GPT-2 XL's at 1,024 tokens would be 4.8 GB)."""
+        wanted = list(range(len(self.h))) if layers is None else [int(i) for i in layers]
+        if any(not 0 <= i < len(self.h) for i in wanted):
+            raise ValueError(f"layers {wanted} must be in 0..{len(self.h) - 1}")
+        maps: dict[int, torch.Tensor] = {i: torch.empty(0) for i in wanted}  # filled in by the forward
         self._reference(input_ids, maps)
-        return torch.stack(maps)
+        return torch.stack([maps[i] for i in wanted])
 
     def _reference(
-        self, input_ids: torch.Tensor, attention: list[torch.Tensor] | None = None
+        self, input_ids: torch.Tensor, attention: dict[int, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """The plain full-sequence causal forward (positions ``0 .. T-1``, no cache) up to ``ln_f``;
-        each layer's attention weights are appended to ``attention`` when given."""
+        """The plain full-sequence causal forward (positions ``0 .. T-1``, no cache) up to ``ln_f``; the
+        attention weights of each layer keyed in ``attention`` are stored there."""
         t = input_ids.shape[1]
         if t == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
@@ -212,9 +216,9 @@ class GPT(nn.Module):
             )
         positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-        for block in self.h:
-            if attention is not None:
-                attention.append(block.attn.attention_weights(block.ln_1(x)))
+        for i, block in enumerate(self.h):
+            if attention is not None and i in attention:
+                attention[i] = block.attn.attention_weights(block.ln_1(x))
             x = block(x)
         return x
 

@@ -94,7 +94,10 @@ def png_size(path) -> tuple[int, int]:
 
 
 def run(argv, capsys):
-    code = attention_main([str(a) for a in argv])
+    try:
+        code = attention_main([str(a) for a in argv])
+    except SystemExit as e:  # a usage error
+        code = e.code
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -140,6 +143,7 @@ def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, cap
      (["--head", "4"], 1, r"--head 4 is out of range; this model has heads 0\.\.3"),
      (["--head", "1", "--mean"], 2, "give --head or --mean, not both"),
      (["--mask", "--head", "1"], 2, "--mask draws the mask alone"),
+     (["--mask", "--layer", "0"], 2, "--mask draws the mask alone; leave out --layer, --head and --mean"),
      (["--size", "10x10"], 2, r"--size '10x10' must be WIDTHxHEIGHT in pixels, each 100\.\.10000"),
      (["-o", "{dir}/a.bmp"], 2, r"--output .*a\.bmp' must end in \.png, \.svg, \.pdf"),
      (["-o", "{dir}/nowhere/a.png"], 1, r"cannot write .*/a\.png: the folder .*nowhere does not exist"),
@@ -168,3 +172,13 @@ def test_without_matplotlib_the_command_says_what_to_install(pair, tmp_path, cap
         "gptgen attention: error: pictures need matplotlib; install the extra with pip install -e '.[plot]'\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_one_layer_is_that_layer_of_all(pair):
+    _, gen, _ = pair
+    everything = gen.attention(TEXT)
+    assert torch.equal(gen.attention(TEXT, layer=1), everything[1])
+    assert torch.equal(gen.attention(TEXT, layer=-1), everything[-1])
+    for bad in (N_LAYER, -N_LAYER - 1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"layer={bad!r} is out of range; this model has layers 0\.\.2"):
+            gen.attention(TEXT, layer=bad)

@@ -130,8 +130,12 @@ def test_serve_usage_error_in_a_subprocess():
 
 @pytest.mark.parametrize("name", ["score", "attention"])
 def test_score_and_attention_help_and_usage_errors(name, capsys):
-    assert gptgen.main([name, "--help"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main([name, "--help"])
+    assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: gptgen {name} ")
-    assert gptgen.main([name, "x", "--bogus", "-o", "a.png"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main([name, "x", "--bogus", "-o", "a.png"])
+    assert exit_info.value.code == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith(f"gptgen {name}: error: unrecognized arguments: --bogus")

@@ -328,7 +328,7 @@ def test_index_with_no_shards_or_a_non_string_shard(ckpt, weight_map):
         checkpoints.load(ckpt[0])
 
 
-def test_file_and_config_argument_errors(ckpt):
+def test_file_and_config_argument_errors(ckpt, monkeypatch):
     path = ckpt[0] / "model.safetensors"
     moved = ckpt[0].parent / "alone.safetensors"
     path.rename(moved)
@@ -350,6 +350,11 @@ def test_file_and_config_argument_errors(ckpt):
         checkpoints.load(moved, config="")
     with pytest.raises(CheckpointError, match=r"nothere/settings does not exist"):
         checkpoints.load(moved, config="nothere/settings")  # a path, not taken for a preset name
+    # A preset name is the preset even where the working directory holds a folder of that name.
+    (ckpt[0].parent / "distilgpt2").mkdir()
+    monkeypatch.chdir(ckpt[0].parent)
+    with pytest.raises(CheckpointError, match="the config says n_layer=6 but the weights hold"):
+        checkpoints.load(moved, config="distilgpt2")
     (ckpt[0] / "weights.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match=r"neither a checkpoint directory nor a \.safetensors file"):
         checkpoints.load(ckpt[0] / "weights.bin")

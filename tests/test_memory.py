@@ -111,3 +111,9 @@ def test_running_out_of_memory_mid_generation_is_said_plainly(tmp_path, how, sai
     assert proc.stdout == ""
     assert re.fullmatch(said + "\n", proc.stderr), proc.stderr
     assert proc.returncode == (1 if how == "cli" else 0)
+
+
+def test_a_bare_memory_error_still_says_out_of_memory():
+    from generate.cli import error_message
+
+    assert error_message(MemoryError()) == "out of memory"

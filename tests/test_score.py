@@ -17,10 +17,13 @@ from _hf_helpers import save_hf
 from hypothesis import given
 from hypothesis import strategies as st
 
+import checkpoints
 import generate
 from checkpoints.load import SHIPPED_DIR
+from conftest import make_model
 from generate.score import Window, plan_windows
 from generate.tools import score_main
+from model import GPTConfig
 
 WINDOW = 64
 # English text of about 800 tokens: with a 64-token window, many windows.
@@ -156,9 +159,17 @@ def test_bad_input_is_refused_naming_the_value(pair, text, options, error, match
 def run(argv, capsys, monkeypatch, stdin: bytes = b"", tty: bool = False):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
     monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
-    code = score_main([str(a) for a in argv])
+    code = exit_status(score_main, argv)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def exit_status(main, argv) -> int:
+    """A command's exit status: what it returns, or argparse's SystemExit code (2 for a usage error)."""
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as e:
+        return e.code
 
 
 def test_the_command_prints_the_figures_and_json_has_everything(pair, tmp_path, capsys, monkeypatch):
@@ -210,8 +221,34 @@ def test_command_errors_are_one_line(pair, tmp_path, capsys, monkeypatch, argv, 
     argv = [a.format(**paths) for a in argv] + ["-c", str(directory)]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b""), encoding="utf-8"))
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
-    code = score_main(argv)
+    code = exit_status(score_main, argv)
     out, err = capsys.readouterr()
     assert code == status and out == ""
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert re.search(match, err), err
+
+
+@pytest.fixture(scope="module")
+def extreme(tmp_path_factory):
+    """A checkpoint whose logits are about 1e5: finite in fp32 (a mean NLL past exp's range), infinite in
+    fp16."""
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), seed=0, std=0.3)
+    with torch.no_grad():
+        model.wte.weight.mul_(300.0)
+        model.ln_f.weight.mul_(100.0)
+    directory = tmp_path_factory.mktemp("extreme")
+    checkpoints.save(model, directory)
+    return directory
+
+
+def test_non_finite_logits_are_an_error_and_a_huge_loss_an_infinite_perplexity(extreme, capsys, monkeypatch):
+    with pytest.raises(generate.GenerationError, match=r"NaN or infinite logits \(dtype torch.float16\)"):
+        generate.load(extreme, dtype="float16").score(TEXT[:200])
+    score = generate.load(extreme).score(TEXT[:200])
+    assert score.mean_nll > 709 and score.perplexity == math.inf
+    code, out, err = run(["-", "-c", extreme, "--json"], capsys, monkeypatch, stdin=TEXT[:200].encode())
+    assert code == 0 and json.loads(out)["perplexity"] is None  # JSON has no infinity: null, valid JSON
+    argv = ["-", "-c", extreme, "--dtype", "float16"]
+    code, out, err = run(argv, capsys, monkeypatch, stdin=b"To be or not")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("gptgen score: error: the model produced NaN or infinite logits")
