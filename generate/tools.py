@@ -105,17 +105,16 @@ def build_score_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _progress(start: float) -> Callable[[int, int], None] | None:
-    """A progress bar on stderr (a terminal only): tokens scored, percent, speed."""
+def _progress(start: float, verb: str, unit: str) -> Callable[[int, int], None] | None:
+    """A progress bar on stderr (a terminal only): how many ``unit`` are done, percent, speed."""
     if sys.stderr is None or not sys.stderr.isatty():
         return None
 
     def show(done: int, total: int) -> None:
         global _progress_shown
         rate = done / max(time.perf_counter() - start, 1e-9)
-        sys.stderr.write(
-            f"\r\x1b[Kscoring: {done:,}/{total:,} tokens ({done / total:.0%}), {rate:,.0f} tok/s"
-        )
+        line = f"{verb}: {done:,}/{total:,} {unit} ({done / total:.0%}), {rate:,.1f} {unit}/s"
+        sys.stderr.write("\r\x1b[K" + line)
         sys.stderr.flush()
         _progress_shown = True
 
@@ -140,7 +139,7 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     import_holding_signals("generate.api")
     gen = load_generator(args)
     start = time.perf_counter()
-    progress = None if args.no_progress else _progress(start)
+    progress = None if args.no_progress else _progress(start, "scoring", "tokens")
     score = gen.score(text, stride=args.stride, batch_size=args.batch_size, progress=progress)
     seconds = time.perf_counter() - start
     _clear_progress()
@@ -281,3 +280,113 @@ def _save(figure, output: Path) -> None:  # figure: a matplotlib Figure
 def attention_main(argv: list[str] | None = None) -> int:
     """Run ``gptgen attention``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
     return _run(_attention, build_attention_parser(), argv, "use a shorter text or a smaller --dtype")
+
+
+# --- gptgen batch -------------------------------------------------------------------------------------------
+
+BATCH_EXAMPLES = r"""examples:
+  gptgen batch prompts.jsonl completions.jsonl -t 0 --max-new-tokens 50     # locally, resumable
+  gptgen batch prompts.parquet out.parquet --seed 1
+  gptgen batch prompts.jsonl out/ --ray                                      # a local Ray cluster
+  gptgen batch prompts.jsonl s3://bucket/out/ --ray 10.0.0.1:6379 --workers 8 --cpus-per-worker 2"""
+
+
+def build_batch_parser() -> argparse.ArgumentParser:
+    """The ``gptgen batch`` command's argument parser."""
+    p = CommandParser(
+        prog="gptgen batch",
+        description="Generate for every row of a JSON Lines or Parquet file with a 'prompt' column (and "
+        "optional per-row seed, max_new_tokens, temperature, top_p, stop). The output has every input field "
+        "plus text, finish_reason, token_ids and error (null unless that row failed). Locally the output is "
+        "one file of the input's format, and rows already in it are skipped (run again to resume); with "
+        "--ray it is a folder of part files written by Ray Data.",
+        epilog=BATCH_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("input", help="prompts: .jsonl (.json, .ndjson) or .parquet")
+    p.add_argument("output", help="results in the same format (with --ray: a folder)")
+    _common(p)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=100, help="for rows without their own (100)")
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="for rows without their own (0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="for rows without their own (0.95)")
+    p.add_argument("--seed", type=int, help="for rows without their own (default: none, not reproducible)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="for rows without their own")
+    p.add_argument("--batch-size", type=int, default=16, help="rows generated together (slots; default 16)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray: a cluster's address, or none to start a local cluster")  # fmt: skip
+    p.add_argument("--workers", type=int, default=2, help="with --ray: model replicas (actors; default 2)")
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="with --ray: CPUs (threads) per worker")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
+    return p
+
+
+def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    check_model_options(args, parser)
+    for name in ("batch_size", "workers", "cpus_per_worker"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.ray is None and (args.workers != 2 or args.cpus_per_worker != 1):
+        parser.error("--workers and --cpus-per-worker apply with --ray only")
+    import_holding_signals("generate.batch")
+    from generate.batch import Defaults
+    from generate.cli import unescape
+    from generate.request import check_max_new_tokens, check_seed
+    from generate.sampling import SamplingParams
+
+    defaults = Defaults(
+        max_new_tokens=check_max_new_tokens(args.max_new_tokens),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=check_seed(args.seed),
+        stop=tuple(unescape(s) for s in args.stop),
+    )
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # refused here, not in every row
+    start = time.perf_counter()
+    if args.ray is not None:
+        from generate.ray_batch import run_ray
+
+        load_options = {
+            "source": args.checkpoint,
+            "config": args.config,
+            "device": args.device,
+            "dtype": args.dtype,
+            "group_size": args.group_size,
+        }
+        ran, skipped = run_ray(
+            args.input,
+            args.output,
+            defaults,
+            load_options,
+            address=args.ray or None,
+            workers=args.workers,
+            cpus_per_worker=args.cpus_per_worker,
+            slots=args.batch_size,
+        )
+        where = "on Ray"
+    else:
+        from generate.batch import run_file
+
+        gen = load_generator(args)
+        show = None if args.no_progress else _progress(start, "generating", "rows")
+        ran, skipped = run_file(
+            gen,
+            args.input,
+            args.output,
+            defaults,
+            slots=args.batch_size,
+            progress=None if show is None else lambda done, total, tokens: show(done, total),
+        )
+        _clear_progress()
+        where = "locally"
+    seconds = time.perf_counter() - start
+    print(
+        f"wrote {args.output}: {ran:,} rows ({skipped:,} already there) in {seconds:.1f} s {where} "
+        f"({ran / seconds:,.1f} rows/s)",
+        file=sys.stderr,
+    )
+
+
+def batch_main(argv: list[str] | None = None) -> int:
+    """Run ``gptgen batch``; returns the exit status (0 ok, 1 error, 2 usage, 130 interrupted)."""
+    advice = "use a smaller --batch-size or --max-new-tokens, or a smaller --dtype"
+    return _run(_batch, build_batch_parser(), argv, advice)

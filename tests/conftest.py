@@ -79,3 +79,15 @@ def _compiled_steps_in_pytest_cache(pytestconfig):
     mp.setenv("GPTGEN_CACHE_DIR", str(pytestconfig.cache.mkdir("gptgen")))
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="module")
+def text_ckpt(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny saved checkpoint with GPT-2's whole vocabulary, so any text encodes: 1 layer, width 16, a
+    32-token window, clear argmax margins (std 0.3)."""
+    import checkpoints
+
+    directory = tmp_path_factory.mktemp("text_ckpt")
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3)
+    checkpoints.save(model, directory)
+    return directory

@@ -38,7 +38,9 @@ def test_help_lists_every_command_and_exits_0(flag, capsys):
     assert gptgen.main([flag]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: gptgen COMMAND")
-    assert all(f"\n  {name} " in captured.out for name in ("generate", "serve", "score", "attention"))
+    assert all(
+        f"\n  {name} " in captured.out for name in ("generate", "serve", "score", "attention", "batch")
+    )
     assert captured.err == ""
 
 
@@ -53,7 +55,10 @@ def test_an_unknown_command_exits_2_with_one_line_naming_it(capsys):
     assert gptgen.main(["genrate", "Hello"]) == 2
     captured = capsys.readouterr()
     line = one_line(captured.err)
-    assert line == "gptgen: error: unknown command 'genrate'; choose one of generate, serve, score, attention"
+    assert (
+        line
+        == "gptgen: error: unknown command 'genrate'; choose one of generate, serve, score, attention, batch"
+    )
     assert captured.out == ""
 
 

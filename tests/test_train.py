@@ -22,6 +22,7 @@ def work(tmp_path):
     directory.mkdir()
     np.save(directory / "train.npy", rng.integers(0, 500, 400).astype(np.uint16), allow_pickle=False)
     np.save(directory / "val.npy", rng.integers(0, 500, 300).astype(np.uint16), allow_pickle=False)
+    (directory / "heldout.txt").write_text("Tomorrow, and tomorrow,\nCreeps in this petty pace\n")
     return directory
 
 
@@ -64,7 +65,7 @@ def test_resuming_gives_the_weights_of_an_uninterrupted_run(work, tmp_path, monk
 
     resumed_work = tmp_path / "resumed-work"
     resumed_work.mkdir()
-    for name in ("train.npy", "val.npy"):
+    for name in ("train.npy", "val.npy", "heldout.txt"):
         (resumed_work / name).write_bytes((work / name).read_bytes())
     keep_best = train._keep_best
 
