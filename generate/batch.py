@@ -199,18 +199,29 @@ class _Journal:
         if not self.path.exists():
             return 0
         data = self.path.read_bytes()
-        complete = data[: data.rfind(b"\n") + 1]  # a line cut short by a crash is dropped
-        lines = complete.decode("utf-8", errors="replace").splitlines()
+        end = data.rfind(b"\n") + 1
+        lines = data[:end].decode("utf-8", errors="replace").split("\n")[:-1]  # (not splitlines: U+2028)
+        tail = data[end:].decode("utf-8", errors="replace")  # a line a crash cut short, or not ours at all
         for number, line in enumerate(lines):
             if number >= len(rows) or not self._continues(line, rows[number]):
-                raise ValueError(
-                    f"{self.path} does not continue this input (its row {number + 1} is not the input's); "
-                    "give another output, or remove it to start again"
-                )
-        if len(complete) != len(data):
+                raise self._not_ours(number)
+        if tail and (len(lines) >= len(rows) or not self._begins(tail, rows[len(lines)])):
+            raise self._not_ours(len(lines))
+        if end != len(data):  # the cut line is dropped: that row runs again
             with open(self.path, "r+b") as f:
-                f.truncate(len(complete))
+                f.truncate(end)
         return len(lines)
+
+    def _not_ours(self, number: int) -> ValueError:
+        return ValueError(
+            f"{self.path} does not continue this input (its row {number + 1} is not the input's); give "
+            "another output, or remove it to start again"
+        )
+
+    def _begins(self, tail: str, row: dict[str, Any]) -> bool:
+        """Whether ``tail`` can be the start of this row's line (cut short by a crash while writing it)."""
+        fixed = json.dumps(row if self.whole_rows else {"input": input_key(row)}, ensure_ascii=False)[:-1]
+        return tail[: len(fixed)] == fixed[: len(tail)]
 
     def append(self, rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
@@ -220,7 +231,7 @@ class _Journal:
         self.done += len(results)
 
     def results(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines()]
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").split("\n")[:-1]]
 
 
 def run_file(
@@ -245,6 +256,8 @@ def run_file(
     if output.exists() and output.resolve() == Path(input_path).resolve():
         raise ValueError(f"the output {output_path} is the input; give another file")
     rows = read_rows(input_path)
+    if not rows:
+        raise ValueError(f"input {input_path} has no rows; give a file with at least one prompt")
     parquet = out_fmt == "parquet"
     journal_path = output.with_name(output.name + ".partial.jsonl") if parquet else output
     if parquet and output.exists() and not journal_path.exists():
@@ -268,20 +281,24 @@ def run_file(
 
 def _write_parquet(input_path: str | os.PathLike[str], journal: _Journal, output: Path) -> None:
     """The input's table (its column types kept) with the result columns from the journal, written whole."""
-    import pyarrow as pa
-
     pq = _parquet()
-    table = pq.read_table(input_path)
-    results = journal.results()
-    for name, kind in result_types(pa).items():
-        table = table.append_column(name, pa.array([r[name] for r in results], type=kind))
+    table = with_results(pq.read_table(input_path), journal.results())
     tmp = output.with_name(f".{output.name}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, output)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
     journal.path.unlink()
 
 
-def result_types(pa: Any) -> dict[str, Any]:
-    """The Arrow types of the result columns (fixed, so every chunk and worker writes the same schema)."""
-    return {"text": pa.string(), "finish_reason": pa.string(), "token_ids": pa.list_(pa.int64()),
-            "error": pa.string()}  # fmt: skip
+def with_results(table: Any, results: list[dict[str, Any]]) -> Any:
+    """An Arrow table with the result columns appended, of fixed types (text, finish_reason and error
+    strings, token_ids a list of int64), so every chunk and every worker writes the same schema."""
+    import pyarrow as pa
+
+    kinds = {"text": pa.string(), "finish_reason": pa.string(), "token_ids": pa.list_(pa.int64()),
+             "error": pa.string()}  # fmt: skip
+    for name, kind in kinds.items():
+        table = table.append_column(name, pa.array([r[name] for r in results], type=kind))
+    return table

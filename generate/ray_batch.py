@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from generate.batch import Defaults, check_columns, failed, file_format, input_key, result_types, run_rows
+from generate.batch import Defaults, check_columns, file_format, input_key, run_rows, with_results
 
 
 def require_ray() -> Any:
@@ -45,16 +45,9 @@ class BatchWorker:
         self.slots = slots
 
     def __call__(self, table: Any) -> Any:
-        import pyarrow as pa
-
-        rows = table.to_pylist()
-        try:
-            results = run_rows(self.gen, rows, self.defaults, self.slots)
-        except (ValueError, RuntimeError, MemoryError) as e:  # the whole batch failed: say so in every row
-            results = [failed(row, f"the batch failed: {e}") for row in rows]
-        for name, kind in result_types(pa).items():
-            table = table.append_column(name, pa.array([r[name] for r in results], type=kind))
-        return table
+        # A whole batch that fails (out of memory) raises: Ray retries it, and the job stops if it fails
+        # again, as it would locally. Rows that fail alone carry their error.
+        return with_results(table, run_rows(self.gen, table.to_pylist(), self.defaults, self.slots))
 
 
 def run_ray(
@@ -76,8 +69,10 @@ def run_ray(
     """
     ray = require_ray()
     fmt = file_format(input_path, "input")
-    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+    output = Path(output_dir)
+    if output.exists() and not output.is_dir():
         raise ValueError(f"with --ray the output is a folder of part files; {output_dir} is a file")
+    load_options = _for_workers(load_options)
     started = not ray.is_initialized()
     if started and address is None:
         # A local cluster: the workers' CPUs plus one for Ray Data's read and write tasks, which would
@@ -86,16 +81,20 @@ def run_ray(
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     elif started:
         ray.init(address=address, log_to_driver=False, configure_logging=False)
+    created = not output.exists()
     try:
+        use_gpu = str(load_options.get("device") or "cpu").startswith("cuda")
+        _check_resources(ray, workers, cpus_per_worker, use_gpu)
         read = ray.data.read_parquet if fmt == "parquet" else ray.data.read_json
         ds = read(input_path)
-        check_columns(ds.columns(), f"input {input_path}")
         total = remaining = ds.count()
-        if Path(output_dir).is_dir() and any(Path(output_dir).iterdir()):
+        if total == 0:
+            raise ValueError(f"input {input_path} has no rows; give a file with at least one prompt")
+        check_columns(ds.columns(), f"input {input_path}")
+        if output.is_dir() and any(output.iterdir()):
             done = {input_key(row) for row in read(output_dir).iter_rows()}
             ds = ds.filter(lambda row: input_key(row) not in done)
             remaining = ds.count()
-        use_gpu = str(load_options.get("device") or "cpu").startswith("cuda")
         ds = ds.map_batches(
             BatchWorker,
             fn_constructor_kwargs={"load_options": load_options, "defaults": asdict(defaults), "slots": slots,
@@ -106,9 +105,51 @@ def run_ray(
             num_cpus=cpus_per_worker,
             num_gpus=1 if use_gpu else 0,
         )  # fmt: skip
-        os.makedirs(output_dir, exist_ok=True)
-        (ds.write_parquet if fmt == "parquet" else ds.write_json)(output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        if fmt == "parquet":
+            ds.write_parquet(output_dir)
+        else:  # (pandas writes the JSON: 15 significant digits, its most, not its default 10)
+            ds.write_json(output_dir, double_precision=15, force_ascii=False)
+    except ray.exceptions.RayError as e:  # a worker's failure: its first line, not Ray's whole report
+        if created and output.is_dir() and not any(output.iterdir()):
+            output.rmdir()
+        first = str(e).strip().splitlines()
+        raise RuntimeError(f"a Ray worker failed: {first[-1] if first else type(e).__name__}") from None
     finally:
         if started:
             ray.shutdown()
     return remaining, total - remaining
+
+
+def _for_workers(load_options: dict[str, Any]) -> dict[str, Any]:
+    """The load options as the workers need them: a local checkpoint path made absolute (workers do not
+    share the driver's working directory) and checked here; ``cuda:N`` as ``cuda`` (Ray gives each worker
+    its own GPU, which it sees as its only one)."""
+    options = dict(load_options)
+    source = options.get("source")
+    if isinstance(source, str) and Path(source).exists():
+        options["source"] = str(Path(source).resolve())
+    if str(options.get("device") or "").startswith("cuda"):
+        options["device"] = "cuda"
+    return options
+
+
+def _check_resources(ray: Any, workers: int, cpus_per_worker: int, use_gpu: bool) -> None:
+    """Refuse a job the cluster cannot place (Ray Data would wait for it forever)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    cpus = sum(n.get("CPU", 0) for n in nodes)
+    biggest = max((n.get("CPU", 0) for n in nodes), default=0)
+    if biggest < cpus_per_worker:
+        raise ValueError(
+            f"--cpus-per-worker {cpus_per_worker} is more than any node of the cluster has (at most "
+            f"{biggest:g}); use at most {int(biggest)}"
+        )
+    if cpus < workers * cpus_per_worker + 1:
+        raise ValueError(
+            f"{workers} workers x {cpus_per_worker} CPUs and one CPU for Ray Data's reading and writing need "
+            f"{workers * cpus_per_worker + 1} CPUs, but the cluster has {cpus:g}; use fewer --workers or "
+            "--cpus-per-worker, or add nodes"
+        )
+    gpus = sum(n.get("GPU", 0) for n in nodes)
+    if use_gpu and gpus < workers:
+        raise ValueError(f"{workers} workers on CUDA need {workers} GPUs, but the cluster has {gpus:g}")

@@ -288,7 +288,7 @@ BATCH_EXAMPLES = r"""examples:
   gptgen batch prompts.jsonl completions.jsonl -t 0 --max-new-tokens 50     # locally, resumable
   gptgen batch prompts.parquet out.parquet --seed 1
   gptgen batch prompts.jsonl out/ --ray                                      # a local Ray cluster
-  gptgen batch prompts.jsonl s3://bucket/out/ --ray 10.0.0.1:6379 --workers 8 --cpus-per-worker 2"""
+  gptgen batch prompts.jsonl /shared/out/ --ray 10.0.0.1:6379 --workers 8 --cpus-per-worker 2"""
 
 
 def build_batch_parser() -> argparse.ArgumentParser:

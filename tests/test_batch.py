@@ -173,3 +173,27 @@ def test_without_ray_the_command_says_what_to_install(ckpt, tmp_path, capsys, mo
         "gptgen batch: error: --ray needs Ray Data; install the extra with pip install -e '.[ray]'\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_that_is_not_ours_is_refused_and_left_whole(gen, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", ROWS[:3])
+    foreign = tmp_path / "results.json"
+    foreign.write_text('{"a": 1, "b": [1, 2]}')  # one JSON document, no newline: not a cut line of ours
+    with pytest.raises(ValueError, match=r"results\.json does not continue this input \(its row 1 "):
+        run_file(gen, source, foreign, DEFAULTS, slots=2)
+    assert foreign.read_text() == '{"a": 1, "b": [1, 2]}'
+    with pytest.raises(ValueError, match=r"input .*empty\.jsonl has no rows"):
+        run_file(gen, write_jsonl(tmp_path / "empty.jsonl", []), tmp_path / "out.jsonl", DEFAULTS, slots=2)
+    with pytest.raises(ValueError, match=r"the output .*in\.jsonl is the input; give another file"):
+        run_file(gen, source, source, DEFAULTS, slots=2)
+
+
+def test_a_line_separator_in_the_text_survives_a_resume(gen, tmp_path):
+    """U+2028 is written as it is (ensure_ascii=False) and is not a line break of JSON Lines."""
+    rows = [{"prompt": "one\u2028two\u2029three\x85four", "seed": 1}, {"prompt": "more", "seed": 2}]
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    run_file(gen, source, out, DEFAULTS, slots=2)
+    assert run_file(gen, source, out, DEFAULTS, slots=2) == (0, 2)
+    first = out.read_text(encoding="utf-8").split("\n")[0]
+    assert json.loads(first)["prompt"] == rows[0]["prompt"]

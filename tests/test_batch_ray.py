@@ -5,6 +5,7 @@ loses no other, Parquet works, and a second run skips the rows already written."
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import ray
@@ -88,3 +89,20 @@ def test_parquet_on_ray_equals_parquet_locally(cluster, ckpt, tmp_path):
     assert run(argv) == 0
     got = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
     assert got == pq.read_table(local).to_pylist()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [(["--cpus-per-worker", "3"], r"--cpus-per-worker 3 is more than any node .* has \(at most 2\)"),
+     (["--workers", "4"], r"4 workers x 1 CPUs and one CPU .* need 5 CPUs, but the cluster has 4"),
+     (["-c", "/nonexistent/ck"], r"a Ray worker failed: .*checkpoint path /nonexistent/ck does not exist")],
+)  # fmt: skip
+def test_a_job_the_cluster_cannot_run_is_one_line_of_error(cluster, ckpt, tmp_path, capsys, options, match):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:4]))
+    argv = [source, tmp_path / "out", "-c", ckpt, *OPTIONS, "--ray", cluster.address, *options]
+    assert run(argv) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(match, err), err
+    assert not (tmp_path / "out").exists()
