@@ -236,6 +236,14 @@ def read_text(path: str, what: str) -> str:
         raise ValueError(f"{name} is not valid UTF-8 ({where}); convert it to UTF-8") from e
 
 
+def stdin_text(parser: argparse.ArgumentParser, missing: str) -> str:
+    """The text piped to standard input (:func:`read_text`); the usage error ``missing`` when none is (a
+    terminal, or closed)."""
+    if sys.stdin is None or sys.stdin.isatty():
+        parser.error(missing)
+    return read_text("-", "standard input")
+
+
 def _read_file(path: str) -> list[tuple[int, str]]:
     """The non-blank lines of a prompts file with their 1-based line numbers (blank lines counted)."""
     lines = (line.removesuffix("\r") for line in read_text(path, "prompts file").split("\n"))
@@ -253,9 +261,7 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return prompts
     if args.prompt != "-":
         return [(None, _argument_prompt(args.prompt, parser))]
-    if sys.stdin is None or sys.stdin.isatty():
-        parser.error("no prompt: give one as an argument, or pipe it to standard input")
-    text = read_text("-", "standard input")
+    text = stdin_text(parser, "no prompt: give one as an argument, or pipe it to standard input")
     # One line ending, as `echo` or a Windows editor writes it, ends the prompt; it is not part of it.
     return [(None, text[:-2] if text.endswith("\r\n") else text.removesuffix("\n"))]
 

@@ -28,6 +28,7 @@ from generate.cli import (
     load_generator,
     read_text,
     run_command,
+    stdin_text,
 )
 
 SCORE_BATCH_SIZE = 4  # generate.score.DEFAULT_BATCH_SIZE, repeated so --help needs no torch
@@ -57,13 +58,6 @@ def _run(
         main(parser.parse_args(argv), parser)
 
     return run_command(parser.prog, body, memory_advice=memory_advice, on_stop=_clear_progress)
-
-
-def _stdin_text(parser: argparse.ArgumentParser, what: str) -> str:
-    """The text piped to standard input; a usage error when none is (a terminal, or closed)."""
-    if sys.stdin is None or sys.stdin.isatty():
-        parser.error(f"no text: give {what}, or pipe the text to standard input")
-    return read_text("-", "text")
 
 
 # --- gptgen score -------------------------------------------------------------------------------------------
@@ -135,7 +129,10 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.stride is not None and args.stride < 1:
         parser.error(f"--stride must be >= 1, got {args.stride}")
-    text = _stdin_text(parser, "a file") if args.file == "-" else read_text(args.file, "file")
+    if args.file == "-":
+        text = stdin_text(parser, "no text: give a file, or pipe the text to standard input")
+    else:
+        text = read_text(args.file, "file")
     import_holding_signals("generate.api")
     gen = load_generator(args)
     start = time.perf_counter()
@@ -213,7 +210,10 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if args.mask and (args.head is not None or args.mean or args.layer is not None):
         parser.error("--mask draws the mask alone; leave out --layer, --head and --mean")
     size = _size(args.size, parser)
-    text = _stdin_text(parser, "it as an argument").removesuffix("\n") if args.text == "-" else args.text
+    text = args.text
+    if text == "-":
+        missing = "no text: give it as an argument, or pipe the text to standard input"
+        text = stdin_text(parser, missing).removesuffix("\n")
     from generate.plot import require_matplotlib
 
     require_matplotlib()  # before any model is loaded
