@@ -136,21 +136,24 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         table = _parquet().read_table(path)
         check_columns(table.column_names, f"input {path}")
         return table.to_pylist()
-    rows = []
+    data = Path(path).read_bytes()  # (no size cap, unlike a prompts file: a batch input may be large)
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"input {path} line {number} is not JSON: {e.msg}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"input {path} line {number} is not a JSON object")
-                rows.append(row)
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
-        raise ValueError(f"input {path} is not valid UTF-8 (byte {e.start}); convert it to UTF-8") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        where = f"line {line}, byte {e.start}"
+        raise ValueError(f"input {path} is not valid UTF-8 ({where}); convert it to UTF-8") from None
+    rows = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"input {path} line {number} is not JSON: {e.msg}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"input {path} line {number} is not a JSON object")
+        rows.append(row)
     for number, row in enumerate(rows, 1):
         check_columns(list(row), f"input {path} row {number}")
     return rows

@@ -66,6 +66,16 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
 
 
+def add_checkpoint_option(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint`` / ``-c``: which model (every command that runs one)."""
+    p.add_argument(
+        "--checkpoint",
+        "-c",
+        default=DEFAULT_CHECKPOINT,
+        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
+    )
+
+
 def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
     """``--config``, ``--device``, ``--dtype`` and ``--group-size``: how the model is loaded (by generate
     and serve)."""
@@ -144,12 +154,7 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts-file", metavar="FILE", help="one prompt per line (blank lines skipped), run as batches"
     )
-    p.add_argument(
-        "--checkpoint",
-        "-c",
-        default=DEFAULT_CHECKPOINT,
-        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
-    )
+    add_checkpoint_option(p)
     add_model_options(
         p,
         dtype_help="weights and compute: float32 (default), bfloat16, float16, or int8 or int4 weights with "

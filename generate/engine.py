@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate.memory import available_memory, said_plainly
+from generate.memory import available_memory, out_of_memory, said_plainly
 from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
 from generate.runner import Runner
 from generate.sampling import SamplingParams, sample_row
@@ -154,8 +154,13 @@ class Engine:
             GenerationError: if a request's logits hold NaN or infinity.
             MemoryError: if the allocator ran out of memory (said plainly, not in the allocator's words).
         """
-        with said_plainly(OUT_OF_MEMORY_ADVICE):
+        try:  # (no context manager: this runs once a token)
             return self._step()
+        except RuntimeError as e:
+            oom = out_of_memory(e, OUT_OF_MEMORY_ADVICE)
+            if oom is None:
+                raise
+            raise oom from e
 
     def _step(self) -> list[tuple[Request, int]]:
         events: list[tuple[Request, int]] = []

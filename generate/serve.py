@@ -21,13 +21,13 @@ from typing import Any
 
 from generate.cli import (
     CommandParser,
+    add_checkpoint_option,
     add_model_options,
     check_model_options,
     import_holding_signals,
     load_generator,
 )
 
-DEFAULT_CHECKPOINT = "shakespeare"
 PROG = "gptgen serve"
 
 
@@ -38,12 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a GPT-2-family checkpoint over OpenAI's HTTP API "
         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
     )
-    p.add_argument(
-        "--checkpoint",
-        "-c",
-        default=DEFAULT_CHECKPOINT,
-        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
-    )
+    add_checkpoint_option(p)
     p.add_argument("--model-name", help="the model id clients ask for (default: the checkpoint's name)")
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)"

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from generate.cli import (
-    DEFAULT_CHECKPOINT,
     CommandParser,
+    add_checkpoint_option,
     add_model_options,
     check_model_options,
     import_holding_signals,
@@ -38,12 +38,7 @@ DTYPE_HELP = "weights and compute (default float32); int8 and int4 weights compu
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--checkpoint",
-        "-c",
-        default=DEFAULT_CHECKPOINT,
-        help=f"directory, .safetensors file, shipped name or hub id (default {DEFAULT_CHECKPOINT})",
-    )
+    add_checkpoint_option(p)
     add_model_options(p, dtype_help=DTYPE_HELP)
     p.set_defaults(compile=False)
 

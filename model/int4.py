@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.embedding import TiedEmbedding
+from model.quant import COMPUTE_DTYPE, quantize_child, quantize_model
 
-COMPUTE_DTYPE = torch.bfloat16
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
@@ -190,14 +189,13 @@ class Int4TiedEmbedding(nn.Module):
 def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, include_head: bool = True) -> bool:
     """Replace ``parent``'s child ``name`` by its int4 form if it is a linear layer (or, with
     ``include_head``, the tied embedding/head). Returns whether it did; the original child is dropped."""
-    child = getattr(parent, name)
-    if isinstance(child, nn.Linear):
-        setattr(parent, name, Int4Linear.from_linear(child, group_size))
-    elif include_head and isinstance(child, TiedEmbedding):
-        setattr(parent, name, Int4TiedEmbedding(*quantize_groups(child.weight, group_size), group_size))
-    else:
-        return False
-    return True
+    return quantize_child(
+        parent,
+        name,
+        include_head=include_head,
+        linear=lambda layer: Int4Linear.from_linear(layer, group_size),
+        head=lambda weight: Int4TiedEmbedding(*quantize_groups(weight, group_size), group_size),
+    )
 
 
 def quantize_int4(
@@ -206,8 +204,6 @@ def quantize_int4(
     """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int4 in place;
     everything else moves to bf16, the activation dtype. Returns the model, in eval mode (inference only)."""
     check_group_size(group_size)
-    for module in list(model.modules()):
-        for name, _ in list(module.named_children()):
-            quantize_child_int4(module, name, group_size, include_head=include_head)
-    model.to(COMPUTE_DTYPE)  # floating-point tensors only: the codes stay uint8
-    return model.eval()
+    return quantize_model(
+        model, lambda parent, name: quantize_child_int4(parent, name, group_size, include_head=include_head)
+    )

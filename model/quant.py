@@ -6,6 +6,8 @@ products run in ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 wei
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -73,17 +75,29 @@ class Int8TiedEmbedding(nn.Module):
         return _int8_mm(x, self.q, self.scale)
 
 
-def quantize_child(parent: nn.Module, name: str, *, include_head: bool = True) -> bool:
-    """Replace ``parent``'s child ``name`` by its int8 form if it is a linear layer (or, with
-    ``include_head``, the tied embedding/head). Returns whether it did; the fp32 child is dropped."""
+def quantize_child(
+    parent: nn.Module,
+    name: str,
+    *,
+    include_head: bool = True,
+    linear: Callable[[nn.Linear], nn.Module] = Int8Linear,
+    head: Callable[[torch.Tensor], nn.Module] | None = None,
+) -> bool:
+    """Replace ``parent``'s child ``name`` by its quantized form if it is a linear layer (or, with
+    ``include_head``, the tied embedding/head). Returns whether it did; the original child is dropped.
+    ``linear`` and ``head`` build the quantized layers (default int8; ``model.int4`` passes its own)."""
     child = getattr(parent, name)
     if isinstance(child, nn.Linear):
-        setattr(parent, name, Int8Linear(child))
+        setattr(parent, name, linear(child))
     elif include_head and isinstance(child, TiedEmbedding):
-        setattr(parent, name, Int8TiedEmbedding(*quantize_rows(child.weight)))
+        setattr(parent, name, (head or _int8_head)(child.weight))
     else:
         return False
     return True
+
+
+def _int8_head(weight: torch.Tensor) -> Int8TiedEmbedding:
+    return Int8TiedEmbedding(*quantize_rows(weight))
 
 
 def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
@@ -92,8 +106,14 @@ def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
     Everything else (LayerNorms, position embeddings, the head when not included) moves to bf16, the
     activation dtype. Returns the model, in eval mode; it is for inference only.
     """
-    for module in list(model.modules()):  # quantized from the weights' own precision, before any cast
+    return quantize_model(model, lambda parent, name: quantize_child(parent, name, include_head=include_head))
+
+
+def quantize_model(model: nn.Module, quantize: Callable[[nn.Module, str], bool]) -> nn.Module:
+    """Apply ``quantize(parent, name)`` to every child of every module (quantized from the weights' own
+    precision, before any cast), then move the rest to bf16. Returns the model, in eval mode."""
+    for module in list(model.modules()):
         for name, _ in list(module.named_children()):
-            quantize_child(module, name, include_head=include_head)
-    model.to(COMPUTE_DTYPE)  # floating-point tensors only: the int8 matrices stay int8
+            quantize(module, name)
+    model.to(COMPUTE_DTYPE)  # floating-point tensors only: the int8 and int4 codes stay integers
     return model.eval()
