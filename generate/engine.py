@@ -1,6 +1,7 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
-Each step admits waiting requests into free slots (a prefill of the prompt alone, into that slot), then runs
+Each step admits waiting requests into free slots (their prompts prefilled together, each into its slot, as
+:class:`generate.runner.Runner` packs them: a prompt gets the same logits as alone), then runs
 one decode step over every slot: each row feeds its last token at its own position. A finished request frees
 its slot at once. The decode step always has the same shapes (one row per slot, a fixed span of cache
 positions), so it can be compiled once, and a row's arithmetic does not depend on the other rows.
@@ -165,14 +166,17 @@ class Engine:
     def _step(self) -> list[tuple[Request, int]]:
         events: list[tuple[Request, int]] = []
         free = [s for s in range(self.slots) if s not in self.running]
+        joining: dict[int, Request] = {}
         while free and self.waiting:
             slot, request = free.pop(0), self.waiting.popleft()
             self.cache.clear(slot)
-            self.running[slot] = request
-            logits = self.runner.prefill(request.prompt, slot)
-            self.cache.lengths[slot] = len(request.prompt)
-            self._start_state(slot, request)
-            events += self._choose({slot: logits})
+            joining[slot] = self.running[slot] = request
+        if joining:
+            logits = self.runner.prefill_many([(r.prompt, slot) for slot, r in joining.items()])
+            for slot, request in joining.items():
+                self.cache.lengths[slot] = len(request.prompt)
+                self._start_state(slot, request)
+            events += self._choose(dict(zip(joining, logits, strict=True)))
         if self.running:
             positions = torch.tensor(self.cache.lengths)
             logits = self.runner.decode(self._pending, positions)

@@ -166,3 +166,30 @@ def onednn_pays(model: GPT, rows: int) -> bool:
             aten += _best_of(F.linear, x, w, b)
             onednn += _best_of(_onednn_linear, x, w, b)
     return onednn < 0.95 * aten
+
+
+def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple[int, ...]) -> bool:
+    """Whether the model's per-position layers give a row the same bits whatever else is in the call.
+
+    Checked on one block's layers (``ln_1``, the attention's two projections and the whole MLP; every block
+    has the same kinds and shapes) at each of ``row_counts`` rows, and on the output head at each of
+    ``head_counts``: the rows of each call, taken at two places, against the same rows inside a call of the
+    largest count. Random inputs: a kernel's summation order depends on shapes, not values. Run it under
+    the kernel routes the calls will use.
+    """
+    block, cfg = model.h[0], model.config
+    layers = [(block.ln_1, cfg.n_embd, row_counts), (block.attn.c_attn, cfg.n_embd, row_counts),
+              (block.attn.c_proj, cfg.n_embd, row_counts), (block.mlp, cfg.n_embd, row_counts),
+              (model.wte.project, cfg.n_embd, head_counts)]  # fmt: skip
+    options = {"dtype": model.compute_dtype, "device": model.device}
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    with torch.inference_mode():
+        for layer, width, counts in layers:
+            most = max(counts)
+            x = torch.randn(most, width, generator=generator, **options)
+            whole = layer(x)
+            for rows in counts:
+                for start in {0, (most - rows) // 2}:
+                    if not torch.equal(layer(x[start : start + rows]), whole[start : start + rows]):
+                        return False
+    return True

@@ -1,20 +1,42 @@
 """The runner: turns the engine's slots into model calls, eager or compiled.
 
-Prefill runs one prompt into one slot (eager: prompts have many lengths). The decode step runs every slot at
-once, each row at its own position, over a fixed span of cache positions: the same shapes at every step, so
-:mod:`torch.compile` compiles it once.
+Prefill is eager (prompts have many lengths). Prompts that join in the same step are packed into one pass
+(:meth:`GPT.packed_prefill`): the projections and MLPs read the weights once for all of them, and each
+prompt's attention runs alone, with the shapes it has alone. A pass's positions are padded to one of a few
+row counts (:data:`PACK_ROWS`; a longer prompt runs alone, unpadded) and the output head's rows to one of
+:data:`PACK_HEAD_ROWS`. Packing is used only where a check at start
+(:func:`generate.kernels.rows_independent`) finds that at every one of these counts a row's bits do not
+depend on the other rows: a prompt's logits and cache are then the same in any pass as alone, a single
+prompt included (it is a pass of one). Elsewhere each prompt is prefilled alone.
+
+The decode step runs every slot at once, each row at its own position, over a fixed span of cache
+positions: the same shapes at every step, so :mod:`torch.compile` compiles it once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from generate.kernels import OneDNNLinear, UpcastBF16, onednn_pays, upcast_min_rows
+from generate.kernels import OneDNNLinear, UpcastBF16, onednn_pays, rows_independent, upcast_min_rows
 from model import GPT, KVCache
+
+# Packed prefill: a pass's positions are padded to the next of these row counts (the last is the most a
+# pass holds; a longer prompt runs alone), and the head's rows to the next of PACK_HEAD_ROWS (the last is the
+# most prompts in a pass). Few counts, so the check at start covers every one a pass can have.
+PACK_ROWS = (16, 32, 48, 64, 96, 128, 192, 256)
+PACK_HEAD_ROWS = (2, 4, 8, 16)
+
+# rows_independent's answers in this process, by what decides the kernels' summation order.
+_independent: dict[tuple, bool] = {}
+
+
+def _next(count: int, counts: tuple[int, ...]) -> int:
+    """The smallest of ``counts`` (ascending) that holds ``count``, or ``count`` itself past the last."""
+    return next((c for c in counts if c >= count), count)
 
 
 class Runner:
@@ -29,6 +51,7 @@ class Runner:
         onednn: whether the eager decode step runs its fp32 products in oneDNN
             (:class:`generate.kernels.OneDNNLinear`): where the products alone are faster there
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
+        onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
         upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
             eager decode step), or None; measured on CPUs without native bf16
             (:func:`generate.kernels.upcast_min_rows`).
@@ -39,6 +62,7 @@ class Runner:
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_decode
         self.onednn = False
         self.upcast_rows = upcast_min_rows(model)
+        self.onednn_prefill = self.upcast_rows is None and onednn_pays(model, PACK_ROWS[1])
         if compile:
             from generate.compiled import compile_step
 
@@ -65,7 +89,61 @@ class Runner:
     def _eager_routes(self, decode: bool) -> contextlib.AbstractContextManager:
         if self.upcast_rows is not None:
             return UpcastBF16(self.upcast_rows)
-        return OneDNNLinear() if decode and self.onednn else contextlib.nullcontext()
+        return (
+            OneDNNLinear() if (self.onednn if decode else self.onednn_prefill) else contextlib.nullcontext()
+        )
+
+    @property
+    def packs(self) -> bool:
+        """Whether prompts joining together are prefilled in one pass (see the module docstring); checked
+        once per process for each kind of model, dtype, device, thread count and route."""
+        key = self._probe_key()
+        if key not in _independent:
+            with self._eager_routes(decode=False):
+                _independent[key] = rows_independent(self.model, PACK_ROWS, PACK_HEAD_ROWS)
+        return _independent[key]
+
+    def _probe_key(self) -> tuple:
+        """What decides the kernels' summation order for prefill's calls."""
+        m, block = self.model, self.model.h[0]
+        kinds = tuple(
+            (type(layer).__name__, getattr(layer, "group_size", None))
+            for layer in (block.attn.c_attn, block.mlp.c_fc, m.wte)
+        )
+        return (kinds, m.config.n_embd, m.config.inner_dim, m.config.vocab_size, m.compute_dtype,
+                str(m.device), torch.get_num_threads(), self.upcast_rows, self.onednn_prefill)  # fmt: skip
+
+    def prefill_many(self, prompts: Sequence[tuple[list[int], int]]) -> list[torch.Tensor]:
+        """Prefill ``(prompt, slot)`` pairs, packed into passes where that keeps every row's bits (see the
+        module docstring); returns each prompt's last-position logits, (V,), in order."""
+        if not self.packs:
+            return [self.prefill(prompt, slot) for prompt, slot in prompts]
+        out: list[torch.Tensor] = []
+        group: list[tuple[list[int], int]] = []
+        for prompt, slot in prompts:
+            full = (
+                len(group) == PACK_HEAD_ROWS[-1]
+                or sum(len(p) for p, _ in group) + len(prompt) > PACK_ROWS[-1]
+            )
+            if group and full:
+                out += self._packed(group)
+                group = []
+            group.append((prompt, slot))
+        return out + self._packed(group)
+
+    def _packed(self, prompts: list[tuple[list[int], int]]) -> list[torch.Tensor]:
+        device, lengths = self.model.device, [len(p) for p, _ in prompts]
+        total = sum(lengths)
+        ids = torch.zeros(_next(total, PACK_ROWS), dtype=torch.long, device=device)
+        ids[:total] = torch.tensor([t for p, _ in prompts for t in p], device=device)
+        last = torch.tensor(lengths, device=device).cumsum(0) - 1
+        segments = [(slot, n) for (_, slot), n in zip(prompts, lengths, strict=True)]
+        with self._eager_routes(decode=False):
+            hidden = self.model.packed_prefill(ids, self.cache, segments)
+            rows = hidden.new_zeros(_next(len(prompts), PACK_HEAD_ROWS), hidden.shape[1])
+            rows[: len(prompts)] = hidden[last]
+            logits = self.model.wte.project(rows)
+        return list(logits[: len(prompts)])
 
     def prefill(self, prompt: list[int], slot: int) -> torch.Tensor:
         """Write a prompt's keys and values into ``slot`` and return the last position's logits, (V,)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,7 @@ class CausalAttention(nn.Module):
         positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """Attend each new position to itself and every earlier one.
 
@@ -126,6 +128,11 @@ class CausalAttention(nn.Module):
             span: how many cache positions attention reads (default ``max_len``); it must exceed every
                 position. A fixed span gives the step static shapes; what lies past a row's own positions
                 is masked and must be finite (a weight of 0 times NaN is NaN).
+            segments: packed prompts (B = 1, with ``kv`` the whole cache): ``(slot, length)`` pairs, in
+                order along T, each a prompt from position 0 into its slot. Every segment attends over its
+                own slot alone, with a span of its length, exactly as that prompt alone would (the same
+                shapes); positions past the last segment are padding and attend to nothing (their output
+                is zeros). The projections run once over all positions.
 
         Returns:
             Tensor of shape (B, T, d_out).
@@ -139,13 +146,38 @@ class CausalAttention(nn.Module):
             return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
         if positions is None:
             raise ValueError("attention over a KV cache needs the positions of the new tokens")
+        if segments is None:
+            y = self._cached(q, k, v, positions, kv, span)
+        else:
+            y = torch.zeros_like(q)  # padding positions stay 0
+            start = 0
+            for slot, length in segments:
+                part = slice(start, start + length)
+                slot_kv = (kv[0][slot : slot + 1], kv[1][slot : slot + 1])
+                y[:, :, part] = self._cached(
+                    q[:, :, part], k[:, :, part], v[:, :, part], positions[:, part], slot_kv, length
+                )
+                start += length
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
+
+    def _cached(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        span: int | None,
+    ) -> torch.Tensor:
+        """Write k and v at their rows' positions, attend q over the cache: (B, nh, T, hs)."""
+        b = q.shape[0]
         k_buf, v_buf = kv
-        rows = torch.arange(b, device=x.device)[:, None]  # (B, 1): each row writes only its own cache
+        rows = torch.arange(b, device=q.device)[:, None]  # (B, 1): each row writes only its own cache
         # k_buf[rows, :, positions] is (B, T, nh, hs): the advanced indices come first.
         k_buf[rows, :, positions] = k.transpose(1, 2)
         v_buf[rows, :, positions] = v.transpose(1, 2)
         span = k_buf.shape[2] if span is None else span
-        keys = torch.arange(span, device=x.device)
+        keys = torch.arange(span, device=q.device)
         blocked = keys > positions[:, None, :, None]  # (B, 1, T, span): key position > query position
         # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
         # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). The scores are
@@ -155,5 +187,4 @@ class CausalAttention(nn.Module):
         q = q * (1.0 / math.sqrt(self.head_dim))
         scores = (q @ k_buf[:, :, :span].transpose(-2, -1)).float()
         weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)  # (B, nh, T, span)
-        y = weights.to(v_buf.dtype) @ v_buf[:, :, :span]  # (B, nh, T, hs)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
+        return weights.to(v_buf.dtype) @ v_buf[:, :, :span]  # (B, nh, T, hs)

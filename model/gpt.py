@@ -62,8 +62,9 @@ class Block(nn.Module):
         positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span)
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -179,6 +180,50 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+
+    def packed_prefill(
+        self, input_ids: torch.Tensor, cache: KVCache, segments: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Prefill several prompts in one pass: their keys and values go into their slots, and the hidden
+        states (after ``ln_f``) of every position come back, (T, n_embd).
+
+        Args:
+            input_ids: the prompts one after another, then any padding: (T,).
+            cache: the KV cache the prompts' slots belong to.
+            segments: ``(slot, length)`` of each prompt, in order; each prompt takes positions ``0 ..
+                length-1`` of its slot. Positions after the last prompt are padding: they run through the
+                projections but attend to nothing and write nothing.
+
+        Each prompt's attention is its own, with the shapes it has alone (see
+        :meth:`CausalAttention.forward`); only the projections and MLPs see all positions at once.
+
+        Raises:
+            ValueError: if a slot is out of range or repeated, a length is not positive, or the prompts do
+                not fit in ``input_ids`` or the cache.
+        """
+        slots = [slot for slot, _ in segments]
+        total = sum(length for _, length in segments)
+        if (
+            not segments
+            or len(set(slots)) != len(slots)
+            or any(not 0 <= s < cache.slots for s in slots)
+            or any(not 0 < length <= cache.max_len for _, length in segments)
+            or total > input_ids.shape[-1]
+        ):
+            raise ValueError(
+                f"segments {list(segments)} must be distinct slots in 0..{cache.slots - 1} with lengths in "
+                f"1..{cache.max_len}, together at most the {input_ids.shape[-1]} ids given"
+            )
+        positions = torch.zeros(input_ids.shape[-1], dtype=torch.long, device=input_ids.device)
+        start = 0
+        for _, length in segments:
+            positions[start : start + length] = torch.arange(length, device=input_ids.device)
+            start += length
+        ids, positions = input_ids.reshape(1, -1), positions[None]
+        x = self.drop(self.wte(ids) + self.wpe(positions))  # (1, T, C)
+        for i, block in enumerate(self.h):
+            x = block(x, positions=positions, kv=cache.layer(i), segments=segments)
+        return self.ln_f(x)[0]
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The reference forward up to the output head: (B, T, n_embd), after ``ln_f``.
