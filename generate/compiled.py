@@ -8,8 +8,9 @@ holds the kernels and the weights, is kept in the user's cache (``$GPTGEN_CACHE_
 directly: its name is a digest of everything the compiled code depends on (the weights' bytes, the config,
 the dtype, the shapes, the source of ``model/`` and of this module, the torch version, the thread count and
 the CPU: model name, the instruction set torch dispatches to, native bf16). A library holds the weights
-twice (as given and prepacked): about 1 GB for GPT-2 124M in fp32. Nothing removes old ones; delete the
-directory to reclaim the space.
+twice (as given and prepacked): about 1 GB for GPT-2 124M in fp32. After each compile the least recently
+used libraries are deleted until the folder holds at most ``$GPTGEN_CACHE_MAX_GB`` (default 8) GiB, and
+the work folders of compiles killed more than a day ago go too.
 
 Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1; the README has the benchmark): the
 compiled step ran 51-57 tok/s in fp32 (eager 33-35) and 99-108 in bf16 (eager 37-39); a first compile took
@@ -207,6 +208,73 @@ def _use_inductor_cache() -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
 
 
+# The compiled libraries kept at most (GiB), unless $GPTGEN_CACHE_MAX_GB says otherwise; and how old a
+# compile's work folder must be to count as left by a killed compile (a compile takes minutes).
+DEFAULT_CACHE_MAX_GB = 8.0
+STALE_WORK_SECONDS = 24 * 3600
+
+
+def cache_limit_bytes() -> int:
+    """The most bytes of compiled libraries kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8).
+
+    Raises:
+        ValueError: if the variable is set to something other than a number of GiB, 0 or more.
+    """
+    text = os.environ.get("GPTGEN_CACHE_MAX_GB", "").strip()
+    try:
+        gib = float(text) if text else DEFAULT_CACHE_MAX_GB
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # (NaN too)
+        raise ValueError(
+            f"GPTGEN_CACHE_MAX_GB={text!r} is not a number of GiB; set it to 0 or more (default "
+            f"{DEFAULT_CACHE_MAX_GB:g}) or unset it"
+        )
+    return int(min(gib, 2.0**40) * 2**30)
+
+
+def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
+    """Delete the least recently used libraries in ``directory`` (by modification time, which each load
+    renews) until they take at most ``limit`` bytes, never ``keep``; and compile work folders older than
+    :data:`STALE_WORK_SECONDS`, and locks of compiles that never finished as old. A process that has a
+    deleted library loaded keeps running (it stays mapped).
+    Returns the libraries deleted."""
+    libraries = []
+    for path in directory.glob("*.so"):
+        with contextlib.suppress(OSError):
+            libraries.append((path.stat().st_mtime, path.stat().st_size, path))
+    total, deleted = sum(size for _, size, _ in libraries), []
+    for _, size, path in sorted(libraries):
+        if total <= limit:
+            break
+        if path == keep:
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            record_path(path).unlink(missing_ok=True)
+            lock_path(path).unlink(missing_ok=True)
+            total -= size
+            deleted.append(path)
+            log.info(
+                "removed %s (least recently used; compiled steps kept within %.1f GiB)", path, limit / 2**30
+            )
+    now = time.time()
+    for work in directory.glob(".compiling-*"):
+        with contextlib.suppress(OSError):
+            if now - work.stat().st_mtime > STALE_WORK_SECONDS:
+                shutil.rmtree(work)
+    for lock in directory.glob("*.lock"):  # of compiles that never finished (a lock in use is renewed)
+        with contextlib.suppress(OSError):
+            if not lock.with_suffix(".so").exists() and now - lock.stat().st_mtime > STALE_WORK_SECONDS:
+                lock.unlink()
+    return deleted
+
+
+def lock_path(path: Path) -> Path:
+    """The lock a library's compile holds: ``<key>.lock``."""
+    return path.with_suffix(".lock")
+
+
 def record_path(path: Path) -> Path:
     """Where a library's size is recorded: ``<key>.record`` (not ``<key>.json``, a name AOTInductor's
     runner reads itself, as the spec of kernels it runs outside the library)."""
@@ -241,34 +309,61 @@ def _load(path: Path) -> Callable[..., torch.Tensor]:
     return step
 
 
-def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The CPU step: load its package from the cache directory, compiling it first if it is not there."""
-    path = cache_dir() / "steps" / f"{step_key(model, cache)}.so"
-    step = None
-    if path.exists():
-        try:
-            if not _intact(path):  # a truncated library can load and then fault when it runs
-                raise ValueError("its size differs from the one recorded when it was compiled")
-            step = _load(path)
-        except Exception as e:  # a damaged or foreign file: compile it again (the new one replaces it)
+def _try_load(path: Path, *, quiet: bool = False) -> Callable[..., torch.Tensor] | None:
+    """The library at ``path`` loaded; None if there is none or it is damaged (logged unless ``quiet``)."""
+    if not path.exists():
+        return None
+    try:
+        if not _intact(path):  # a truncated library can load and then fault when it runs
+            raise ValueError("its size differs from the one recorded when it was compiled")
+        return _load(path)
+    except Exception as e:  # a damaged or foreign file: compile it again (the new one replaces it)
+        if not quiet:
             log.warning("could not load %s (%s); compiling it again", path, e)
-    if step is None:
-        check_compile_memory(model)
+        return None
+
+
+@contextlib.contextmanager
+def _compile_lock(path: Path) -> Iterator[bool]:
+    """Hold ``<key>.lock`` (an exclusive ``flock``) while this step compiles, so two processes wanting the
+    same step compile it once. Yields whether another process held it first (its library may now be there).
+    Without a writable folder or ``fcntl``, no lock."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path(path), "a")  # noqa: SIM115 (closed below, after the lock is released)
+    except (ImportError, OSError):
+        yield False
+        return
+    with handle:
+        waited = False
         try:
-            _package(model, cache, path)
-        except OSError as e:  # the cache directory cannot be written: compile for this process alone
-            log.warning(
-                "could not keep the compiled step in %s (%s); compiling it for this process only (set "
-                "GPTGEN_CACHE_DIR to a writable directory to keep it)", path.parent, e,
-            )  # fmt: skip
-            # Keep the library's file until this process exits (the loaded library is mapped from it).
-            directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
-            atexit.register(shutil.rmtree, directory, ignore_errors=True)
-            _package(model, cache, directory / path.name)
-            step = _load(directory / path.name)
-        else:
-            _record(path)
-            step = _load(path)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is compiling this step; waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            waited = True
+        with contextlib.suppress(OSError):
+            os.utime(lock_path(path))  # in use: not a stale lock for prune()
+        try:
+            yield waited
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The CPU step: load its package from the cache directory, compiling it first if it is not there (once,
+    when several processes want it at the same time: the others wait and load it)."""
+    limit = cache_limit_bytes()  # (a bad setting refused before a compile, not after)
+    path = cache_dir() / "steps" / f"{step_key(model, cache)}.so"
+    step = _try_load(path)
+    if step is None:
+        check_compile_memory(model)  # (before the lock: a refusal writes nothing)
+        with _compile_lock(path) as waited:
+            step = _try_load(path, quiet=True) if waited else None
+            if step is None:
+                step = _compile(model, cache, path, limit)
     with contextlib.suppress(OSError):
         os.utime(path)  # last used: what a clean-up of the cache directory would go by
 
@@ -276,6 +371,25 @@ def packaged_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.T
         return step(tokens, positions, *cache.k, *cache.v)
 
     return run
+
+
+def _compile(model: GPT, cache: KVCache, path: Path, limit: int) -> Callable[..., torch.Tensor]:
+    try:
+        _package(model, cache, path)
+    except OSError as e:  # the cache directory cannot be written: compile for this process alone
+        log.warning(
+            "could not keep the compiled step in %s (%s); compiling it for this process only (set "
+            "GPTGEN_CACHE_DIR to a writable directory to keep it)", path.parent, e,
+        )  # fmt: skip
+        # Keep the library's file until this process exits (the loaded library is mapped from it).
+        directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        _package(model, cache, directory / path.name)
+        return _load(directory / path.name)
+    _record(path)
+    step = _load(path)
+    prune(path.parent, path, limit)
+    return step
 
 
 def jit_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -153,3 +153,99 @@ def test_a_step_on_disk_loads_whatever_memory_a_compile_would_need(monkeypatch):
     monkeypatch.setattr(generate.engine, "available_memory", lambda device: 100 * 2**20)
     seen = run_and_record(Engine(model, slots=2, compile=True), requests)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+def fake_library(directory, name: str, size: int, age_days: float):
+    import os
+    import time
+
+    path = directory / f"{name}.so"
+    path.write_bytes(b"x" * size)
+    compiled.record_path(path).write_text("{}")
+    when = time.time() - age_days * 86400
+    os.utime(path, (when, when))
+    return path
+
+
+def test_prune_deletes_the_least_recently_used_libraries_down_to_the_limit(tmp_path):
+    import os
+    import time
+
+    old, older, new, kept = (fake_library(tmp_path, n, 1000, age) for n, age in
+                             [("old", 2, ), ("older", 3), ("new", 0.5), ("kept", 9)])  # fmt: skip
+    assert new.exists()
+    stale, fresh = tmp_path / ".compiling-a", tmp_path / ".compiling-b"
+    stale.mkdir()
+    (stale / "step.pt2").write_bytes(b"partial")
+    fresh.mkdir()
+    when = time.time() - 2 * 86400
+    os.utime(stale, (when, when))
+    deleted = compiled.prune(tmp_path, kept, limit=2500)
+    assert deleted == [older, old]  # oldest first; the one just compiled is never deleted, however old
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".compiling-b", "kept.record", "kept.so",
+                                                         "new.record", "new.so"]  # fmt: skip
+    assert compiled.prune(tmp_path, kept, limit=2000) == []  # within the limit: nothing more
+
+
+def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatch):
+    monkeypatch.delenv("GPTGEN_CACHE_MAX_GB", raising=False)
+    assert compiled.cache_limit_bytes() == 8 * 2**30
+    monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", "0.5")
+    assert compiled.cache_limit_bytes() == 2**29
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", bad)
+        with pytest.raises(
+            ValueError, match=rf"GPTGEN_CACHE_MAX_GB='{bad}' is not a number of GiB; set it to 0"
+        ):
+            compiled.cache_limit_bytes()
+
+
+def test_a_compile_prunes_the_cache_to_its_limit_and_keeps_the_new_step(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", "0")  # keep only what was just compiled
+    steps = tmp_path / "steps"
+    steps.mkdir()
+    stale = fake_library(steps, "stale", 10, 1)
+    model, requests = model_and_requests()
+    engine = Engine(model, slots=2, compile=True)
+    assert not stale.exists() and len(list(steps.glob("*.so"))) == 1
+    seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+COMPILE_IN_A_PROCESS = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+import torch
+import checkpoints
+from generate.engine import Engine
+torch.set_num_threads(1)
+Engine(checkpoints.load(sys.argv[1]), slots=2, compile=True)
+"""
+
+
+def test_two_processes_wanting_the_same_step_compile_it_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import checkpoints
+
+    checkpoints.save(make_model(CONFIG, seed=41), tmp_path / "ckpt")  # a step no other test has compiled
+    env = {**os.environ, "GPTGEN_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", COMPILE_IN_A_PROCESS, str(tmp_path / "ckpt")],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    logs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    both = "".join(logs)
+    assert both.count("decode step compiled in") == 1, both
+    assert both.count("another process is compiling this step; waiting for it") == 1, both
+    assert both.count("decode step loaded from") == 2, both
+    assert len(list((tmp_path / "cache" / "steps").glob("*.so"))) == 1
