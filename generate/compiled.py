@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -179,12 +180,18 @@ def _package(model: GPT, cache: KVCache, path: Path) -> None:
     start = time.perf_counter()
     with _progress(f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions; about a "
                    "minute for GPT-2 124M, once per shape)"):  # fmt: skip
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            # torch's own deprecation notices from inside export and inductor: nothing a user can act on
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             exported = torch.export.export(_Step(model), _inputs(cache, model.device))
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work:
             package = Path(work) / "step.pt2"
-            torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
-                                                     inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=FutureWarning)
+                warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+                torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
+                                                         inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
             # The package is a zip holding one shared library (kernels and weights): keep that alone, so a
             # later process maps it directly instead of unpacking the zip (fp32 GPT-2 124M: 950 MB) again.
             with zipfile.ZipFile(package) as archive:
