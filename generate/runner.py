@@ -116,7 +116,7 @@ class Runner:
     def prefill_many(self, prompts: Sequence[tuple[list[int], int]]) -> list[torch.Tensor]:
         """Prefill ``(prompt, slot)`` pairs, packed into passes where that keeps every row's bits (see the
         module docstring); returns each prompt's last-position logits, (V,), in order."""
-        if not self.packs:
+        if not prompts or not self.packs:
             return [self.prefill(prompt, slot) for prompt, slot in prompts]
         out: list[torch.Tensor] = []
         group: list[tuple[list[int], int]] = []
