@@ -16,12 +16,14 @@ positions: the same shapes at every step, so :mod:`torch.compile` compiles it on
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from generate.kernels import OneDNNLinear, UpcastBF16, onednn_pays, rows_independent, upcast_min_rows
+from generate.routes import model_facts, recorded
 from model import GPT, KVCache
 
 # Packed prefill: a pass's positions are padded to the next of these row counts (the last is the most a
@@ -61,14 +63,22 @@ class Runner:
         self.model, self.cache = model, cache
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_decode
         self.onednn = False
-        self.upcast_rows = upcast_min_rows(model)
-        self.onednn_prefill = self.upcast_rows is None and onednn_pays(model, PACK_ROWS[1])
+        facts = model_facts(model)
+        self.upcast_rows = recorded("upcast-rows", facts, lambda: upcast_min_rows(model))
+        self.onednn_prefill = self.upcast_rows is None and recorded(
+            "onednn-prefill", {**facts, "rows": PACK_ROWS[1]}, lambda: onednn_pays(model, PACK_ROWS[1])
+        )
         if compile:
             from generate.compiled import compile_step
 
             self._decode = compile_step(model, cache)
-        elif onednn_pays(model, cache.slots):
-            self.onednn = self._steps_faster_with_onednn()
+        else:
+            shape = {**facts, "slots": cache.slots, "max_len": cache.max_len}
+            self.onednn = recorded(
+                "onednn-decode",
+                shape,
+                lambda: onednn_pays(model, cache.slots) and self._steps_faster_with_onednn(),
+            )
 
     def _steps_faster_with_onednn(self) -> bool:
         """Time whole eager decode steps both ways (best of 3 each, alternated): the route's mode costs
@@ -96,22 +106,22 @@ class Runner:
     @property
     def packs(self) -> bool:
         """Whether prompts joining together are prefilled in one pass (see the module docstring); checked
-        once per process for each kind of model, dtype, device, thread count and route."""
-        key = self._probe_key()
+        once per machine for each kind of model, dtype, device, thread count and route (kept as the routes
+        are, :mod:`generate.routes`)."""
+        key = json.dumps([self._probe_facts(), torch.get_num_threads()], sort_keys=True)
         if key not in _independent:
-            with self._eager_routes(decode=False):
-                _independent[key] = rows_independent(self.model, PACK_ROWS, PACK_HEAD_ROWS)
+
+            def check() -> bool:
+                with self._eager_routes(decode=False):
+                    return rows_independent(self.model, PACK_ROWS, PACK_HEAD_ROWS)
+
+            _independent[key] = recorded("packed-prefill", self._probe_facts(), check)
         return _independent[key]
 
-    def _probe_key(self) -> tuple:
+    def _probe_facts(self) -> dict[str, object]:
         """What decides the kernels' summation order for prefill's calls."""
-        m, block = self.model, self.model.h[0]
-        kinds = tuple(
-            (type(layer).__name__, getattr(layer, "group_size", None))
-            for layer in (block.attn.c_attn, block.mlp.c_fc, m.wte)
-        )
-        return (kinds, m.config.n_embd, m.config.inner_dim, m.config.vocab_size, m.compute_dtype,
-                str(m.device), torch.get_num_threads(), self.upcast_rows, self.onednn_prefill)  # fmt: skip
+        return {**model_facts(self.model), "rows": PACK_ROWS, "head_rows": PACK_HEAD_ROWS,
+                "upcast_rows": self.upcast_rows, "onednn": self.onednn_prefill}  # fmt: skip
 
     def prefill_many(self, prompts: Sequence[tuple[list[int], int]]) -> list[torch.Tensor]:
         """Prefill ``(prompt, slot)`` pairs, packed into passes where that keeps every row's bits (see the

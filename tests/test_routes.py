@@ -1,0 +1,99 @@
+"""Eager route decisions are measured once per machine and kept (generate/routes.py)."""
+
+import json
+
+import pytest
+import torch
+
+import generate.runner
+from conftest import TINY_CONFIGS, make_model
+from generate.routes import model_facts, recorded
+from generate.runner import Runner
+from model import KVCache
+
+CONFIG = TINY_CONFIGS["5x3x48"]
+
+
+@pytest.fixture
+def cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def counting(value):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return value
+
+    return measure, calls
+
+
+def test_a_decision_is_measured_once_and_then_read_back(cache_dir):
+    measure, calls = counting(7)
+    assert recorded("x", {"a": 1}, measure) == 7
+    assert recorded("x", {"a": 1}, measure) == 7
+    assert len(calls) == 1 and len(json.loads((cache_dir / "routes.json").read_text())) == 1
+    other, other_calls = counting(None)
+    assert recorded("x", {"a": 2}, other) is None  # other facts: measured on their own
+    assert recorded("y", {"a": 1}, other) is None  # another decision
+    assert len(other_calls) == 2 and len(json.loads((cache_dir / "routes.json").read_text())) == 3
+
+
+def test_the_thread_count_is_part_of_the_key(cache_dir):
+    measure, calls = counting(True)
+    before = torch.get_num_threads()
+    try:
+        recorded("x", {}, measure)
+        torch.set_num_threads(before + 1)
+        recorded("x", {}, measure)
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2
+
+
+def test_a_damaged_file_is_measured_again_and_rewritten(cache_dir):
+    (cache_dir / "routes.json").write_text("{not json")
+    measure, calls = counting(3)
+    assert recorded("x", {}, measure) == 3 and recorded("x", {}, measure) == 3
+    assert len(calls) == 1 and list(json.loads((cache_dir / "routes.json").read_text()).values()) == [3]
+
+
+def test_an_unwritable_cache_directory_measures_every_time(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))
+    measure, calls = counting(1)
+    assert recorded("x", {}, measure) == 1 and recorded("x", {}, measure) == 1
+    assert len(calls) == 2 and not (blocker / "cache").exists()
+
+
+def test_a_second_runner_takes_the_kept_routes_without_measuring(cache_dir, monkeypatch):
+    model = make_model(CONFIG, seed=2)
+    first = Runner(model, KVCache(CONFIG, 2, CONFIG.n_positions))
+    first_packs = first.packs
+    measured = []
+    monkeypatch.setattr(generate.runner, "onednn_pays", lambda *a: measured.append(a) or True)
+    monkeypatch.setattr(generate.runner, "upcast_min_rows", lambda *a: measured.append(a) or 4)
+    monkeypatch.setattr(generate.runner, "rows_independent", lambda *a: measured.append(a) or False)
+    monkeypatch.setattr(generate.runner, "_independent", {})  # as in a new process
+    second = Runner(model, KVCache(CONFIG, 2, CONFIG.n_positions))
+    assert measured == [] and second.packs == first_packs
+    assert (second.onednn, second.onednn_prefill, second.upcast_rows) == (
+        first.onednn,
+        first.onednn_prefill,
+        first.upcast_rows,
+    )
+    Runner(model, KVCache(CONFIG, 3, CONFIG.n_positions))  # another slot count: the decode route measured
+    assert len(measured) == 1
+
+
+def test_model_facts_tell_layer_kinds_sizes_and_dtypes_apart():
+    model = make_model(CONFIG)
+    facts = model_facts(model)
+    assert model_facts(make_model(CONFIG, seed=5)) == facts  # weights do not matter
+    assert model_facts(make_model(TINY_CONFIGS["2x2x32"])) != facts
+    assert model_facts(make_model(CONFIG).to(torch.bfloat16)) != facts
+    model.h[0].ln_1 = torch.nn.Sequential(model.h[0].ln_1)
+    assert model_facts(model) != facts
