@@ -63,16 +63,16 @@ class Runner:
         self.model, self.cache = model, cache
         self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_decode
         self.onednn = False
+        if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
+            from generate.compiled import compile_step
+
+            self._decode = compile_step(model, cache)
         facts = model_facts(model)
         self.upcast_rows = recorded("upcast-rows", facts, lambda: upcast_min_rows(model))
         self.onednn_prefill = self.upcast_rows is None and recorded(
             "onednn-prefill", {**facts, "rows": PACK_ROWS[1]}, lambda: onednn_pays(model, PACK_ROWS[1])
         )
-        if compile:
-            from generate.compiled import compile_step
-
-            self._decode = compile_step(model, cache)
-        else:
+        if not compile:
             shape = {**facts, "slots": cache.slots, "max_len": cache.max_len}
             self.onednn = recorded(
                 "onednn-decode",
