@@ -54,7 +54,13 @@ def _read(path: Path) -> dict[str, object]:
     return table if isinstance(table, dict) else {}
 
 
-def recorded(name: str, facts: dict[str, object], measure: Callable[[], T]) -> T:
+def _is_bool(value: object) -> bool:
+    return isinstance(value, bool)
+
+
+def recorded(
+    name: str, facts: dict[str, object], measure: Callable[[], T], valid: Callable[[object], bool] = _is_bool
+) -> T:
     """The kept answer to decision ``name`` for these ``facts``, or ``measure()``'s, kept for next time.
 
     Args:
@@ -62,6 +68,8 @@ def recorded(name: str, facts: dict[str, object], measure: Callable[[], T]) -> T
         facts: what the decision depends on beyond the machine and the code (see the module docstring);
             JSON-serializable.
         measure: measures the answer (JSON-serializable) when none is kept.
+        valid: whether a kept answer is one ``measure`` could give (default: a bool); one that is not (a
+            file edited by hand) is measured again.
     """
     from generate.compiled import code_digest, cpu_signature
 
@@ -71,7 +79,7 @@ def recorded(name: str, facts: dict[str, object], measure: Callable[[], T]) -> T
     key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     path = _path()
     table = _read(path)
-    if key in table:
+    if key in table and valid(table[key]):
         return table[key]  # type: ignore[return-value]
     value = measure()
     with contextlib.suppress(OSError):

@@ -68,7 +68,12 @@ class Runner:
 
             self._decode = compile_step(model, cache)
         facts = model_facts(model)
-        self.upcast_rows = recorded("upcast-rows", facts, lambda: upcast_min_rows(model))
+        self.upcast_rows = recorded(
+            "upcast-rows",
+            facts,
+            lambda: upcast_min_rows(model),
+            lambda v: v is None or (type(v) is int and v > 0),
+        )
         self.onednn_prefill = self.upcast_rows is None and recorded(
             "onednn-prefill", {**facts, "rows": PACK_ROWS[1]}, lambda: onednn_pays(model, PACK_ROWS[1])
         )

@@ -32,12 +32,12 @@ def counting(value):
 
 def test_a_decision_is_measured_once_and_then_read_back(cache_dir):
     measure, calls = counting(7)
-    assert recorded("x", {"a": 1}, measure) == 7
-    assert recorded("x", {"a": 1}, measure) == 7
+    assert recorded("x", {"a": 1}, measure, valid=lambda v: type(v) is int) == 7
+    assert recorded("x", {"a": 1}, measure, valid=lambda v: type(v) is int) == 7
     assert len(calls) == 1 and len(json.loads((cache_dir / "routes.json").read_text())) == 1
-    other, other_calls = counting(None)
-    assert recorded("x", {"a": 2}, other) is None  # other facts: measured on their own
-    assert recorded("y", {"a": 1}, other) is None  # another decision
+    other, other_calls = counting(False)
+    assert recorded("x", {"a": 2}, other) is False  # other facts: measured on their own
+    assert recorded("y", {"a": 1}, other) is False  # another decision
     assert len(other_calls) == 2 and len(json.loads((cache_dir / "routes.json").read_text())) == 3
 
 
@@ -53,19 +53,28 @@ def test_the_thread_count_is_part_of_the_key(cache_dir):
     assert len(calls) == 2
 
 
+def test_a_kept_answer_of_the_wrong_kind_is_measured_again(cache_dir):
+    measure, calls = counting(True)
+    recorded("x", {}, measure)
+    path = cache_dir / "routes.json"
+    path.write_text(json.dumps({key: "yes" for key in json.loads(path.read_text())}))  # edited by hand
+    assert recorded("x", {}, measure) is True and len(calls) == 2
+    assert list(json.loads(path.read_text()).values()) == [True]
+
+
 def test_a_damaged_file_is_measured_again_and_rewritten(cache_dir):
     (cache_dir / "routes.json").write_text("{not json")
-    measure, calls = counting(3)
-    assert recorded("x", {}, measure) == 3 and recorded("x", {}, measure) == 3
-    assert len(calls) == 1 and list(json.loads((cache_dir / "routes.json").read_text()).values()) == [3]
+    measure, calls = counting(True)
+    assert recorded("x", {}, measure) is True and recorded("x", {}, measure) is True
+    assert len(calls) == 1 and list(json.loads((cache_dir / "routes.json").read_text()).values()) == [True]
 
 
 def test_an_unwritable_cache_directory_measures_every_time(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))
-    measure, calls = counting(1)
-    assert recorded("x", {}, measure) == 1 and recorded("x", {}, measure) == 1
+    measure, calls = counting(True)
+    assert recorded("x", {}, measure) is True and recorded("x", {}, measure) is True
     assert len(calls) == 2 and not (blocker / "cache").exists()
 
 
