@@ -5,7 +5,8 @@ The runner's eager routes (:mod:`generate.kernels`) are chosen by measurements t
 second and, near a break-even, can come out either way. Each decision is kept in ``routes.json`` in the
 cache directory (:func:`generate.compiled.cache_dir`), keyed by a digest of what it depends on: the CPU and
 thread count, torch's version, the source of ``model/`` and of the compiled step's module, the model's layer
-kinds and sizes, its dtype and device, and the decision's own shape (rows, slots). A key not there is
+kinds and sizes, its dtype and device, the source of the route code (``kernels.py``, ``runner.py``, this
+module), and the decision's own shape (rows, slots). A key not there is
 measured and written; a directory that cannot be written, or a damaged file, only means measuring again.
 Delete the file to measure again.
 """
@@ -25,6 +26,9 @@ import torch
 from model import GPT
 
 T = TypeVar("T")
+
+# Besides model/ (in the compiled step's code digest): the modules whose source a kept answer depends on.
+ROUTE_CODE = ("kernels.py", "runner.py", "routes.py")
 
 
 def model_facts(model: GPT) -> dict[str, object]:
@@ -73,8 +77,10 @@ def recorded(
     """
     from generate.compiled import code_digest, cpu_signature
 
+    here = Path(__file__).parent  # the routes' own code: what they run and how they are chosen
+    routes_code = hashlib.blake2b(b"".join((here / f).read_bytes() for f in ROUTE_CODE), digest_size=16)
     everything = {"name": name, "facts": facts, "machine": cpu_signature(), "torch": torch.__version__,
-                  "code": code_digest()}  # fmt: skip
+                  "code": [code_digest(), routes_code.hexdigest()]}  # fmt: skip
     text = json.dumps(everything, sort_keys=True, default=str)
     key = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
     path = _path()
