@@ -52,9 +52,13 @@ class _Output:
 
     def write(self, text: str) -> None:
         if text:
+            partial = not text.endswith("\n")
+            # Marked before the write too: a Ctrl-C that lands just after the flush (before the line after
+            # it runs) must still end the line it left open.
+            self.partial = self.partial or partial
             sys.stdout.write(text)
             sys.stdout.flush()
-            self.partial = not text.endswith("\n")
+            self.partial = partial
 
 
 def unescape(text: str) -> str:
