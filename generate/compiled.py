@@ -288,12 +288,20 @@ def record_path(path: Path) -> Path:
     return path.with_suffix(".record")
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it, so a reader sees the old file or the
+    new one, never a part (the temporary is removed if the write fails)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def _record(path: Path) -> None:
     """Note the library's size beside it, written after it: without it a library is damaged."""
-    record = record_path(path)
-    tmp = record.with_name(f"{record.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"size": path.stat().st_size, "torch": torch.__version__}))
-    os.replace(tmp, record)
+    write_atomically(record_path(path), json.dumps({"size": path.stat().st_size, "torch": torch.__version__}))
 
 
 def _intact(path: Path) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -75,7 +74,7 @@ def recorded(
         valid: whether a kept answer is one ``measure`` could give (default: a bool); one that is not (a
             file edited by hand) is measured again.
     """
-    from generate.compiled import code_digest, cpu_signature
+    from generate.compiled import code_digest, cpu_signature, write_atomically
 
     here = Path(__file__).parent  # the routes' own code: what they run and how they are chosen
     routes_code = hashlib.blake2b(b"".join((here / f).read_bytes() for f in ROUTE_CODE), digest_size=16)
@@ -92,7 +91,5 @@ def recorded(
         path.parent.mkdir(parents=True, exist_ok=True)
         table = _read(path)  # (another process may have added its own meanwhile)
         table[key] = value
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(table, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(table, sort_keys=True))
     return value

@@ -113,14 +113,15 @@ class Runner:
         """Whether prompts joining together are prefilled in one pass (see the module docstring); checked
         once per machine for each kind of model, dtype, device, thread count and route (kept as the routes
         are, :mod:`generate.routes`)."""
-        key = json.dumps([self._probe_facts(), torch.get_num_threads()], sort_keys=True)
+        facts = self._probe_facts()
+        key = json.dumps([facts, torch.get_num_threads()], sort_keys=True)
         if key not in _independent:
 
             def check() -> bool:
                 with self._eager_routes(decode=False):
                     return rows_independent(self.model, PACK_ROWS, PACK_HEAD_ROWS)
 
-            _independent[key] = recorded("packed-prefill", self._probe_facts(), check)
+            _independent[key] = recorded("packed-prefill", facts, check)
         return _independent[key]
 
     def _probe_facts(self) -> dict[str, object]:
