@@ -1,22 +1,24 @@
 """The compiled decode step: one graph per engine shape, compiled ahead of time and kept on disk.
 
 On the CPU the step is exported (``torch.export``) and compiled by AOTInductor (``aoti_compile_and_package``)
-with ``freezing`` (the weights become constants, prepacked for the GEMM kernels) and ``max_autotune``
-(inductor's C++ GEMM template or ATen, whichever measures faster here). The package's shared library, which
-holds the kernels and the weights, is kept in the user's cache (``$GPTGEN_CACHE_DIR``, else
+with ``freezing`` (the weights become constants, prepacked for the GEMM kernels; inductor freezes only with
+grad off, so the compile runs under ``no_grad``) and ``max_autotune`` (inductor's C++ GEMM template or
+oneDNN's inner product on the prepacked weights, whichever measures faster here). The package's shared
+library, which holds the kernels and the weights, is kept in the user's cache (``$GPTGEN_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/gptgen``, default ``~/.cache/gptgen``, under ``steps/``) and a later process maps it
 directly: its name is a digest of everything the compiled code depends on (the weights' bytes, the config,
 the dtype, the shapes, the source of ``model/`` and of this module, the torch version, the thread count and
 the CPU: model name, the instruction set torch dispatches to, native bf16). A library holds the weights
-twice (as given and prepacked): about 1 GB for GPT-2 124M in fp32. After each compile the least recently
-used libraries are deleted until the folder holds at most ``$GPTGEN_CACHE_MAX_GB`` (default 8) GiB, and
-the work folders of compiles killed more than a day ago go too.
+once, prepacked, and the token embedding a second time (it is also the output head): about 650 MB for
+GPT-2 124M in fp32. After each compile the least recently used libraries are deleted until the folder
+holds at most ``$GPTGEN_CACHE_MAX_GB`` (default 8) GiB, and the work folders of compiles killed more than a
+day ago go too.
 
-Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4, batch 1; the README has the benchmark): the
-compiled step ran 51-57 tok/s in fp32 (eager 33-35) and 99-108 in bf16 (eager 37-39); a first compile took
-50-60 s and about 15x the weights' bytes of memory. Inductor's just-in-time ``torch.compile`` with the same
-settings ran a step in 19 ms against AOTInductor's 13-17 ms, and without ``freezing`` 39-50 ms. On CUDA
-the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph), compiled in each process.
+Measured on GPT-2 124M geometry (2 cores, AMD EPYC Zen 4; the README has the benchmark): compiling with grad
+on, which skipped freezing, gave steps of 42 ms in fp32 and 36 ms in bf16 at batch 8, against 32 and 19 ms
+frozen (the same batch-1 steps: about 17 ms fp32, 9-10 ms bf16). Inductor's just-in-time ``torch.compile``
+ran a batch-1 step in 19 ms against AOTInductor's 13-17 ms. On CUDA the step is ``torch.compile``'s
+``reduce-overhead`` (a CUDA graph), compiled in each process.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def _package(model: GPT, cache: KVCache, path: Path) -> None:
             exported = torch.export.export(_Step(model), _inputs(cache, model.device))
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work:
             package = Path(work) / "step.pt2"
-            with warnings.catch_warnings():
+            # Under no_grad: inductor freezes (folds and prepacks the weights) only with grad off.
+            with torch.no_grad(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=FutureWarning)
                 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
                 torch._inductor.aoti_compile_and_package(exported, package_path=str(package),

@@ -249,3 +249,20 @@ def test_two_processes_wanting_the_same_step_compile_it_once(tmp_path):
     assert both.count("another process is compiling this step; waiting for it") == 1, both
     assert both.count("decode step loaded from") == 2, both
     assert len(list((tmp_path / "cache" / "steps").glob("*.so"))) == 1
+
+
+def test_the_packaged_step_is_compiled_with_frozen_weights(monkeypatch, tmp_path):
+    # Inductor freezes (folds the weights in and prepacks them for the GEMM kernels) only with grad off;
+    # compiled with grad on, the same settings gave GPT-2 124M bf16 batch-8 steps of 36 ms instead of 19.
+    import torch._inductor.freezing as freezing
+
+    frozen = []
+    freeze = freezing.freeze
+    monkeypatch.setattr(freezing, "freeze", lambda *a, **k: frozen.append(1) or freeze(*a, **k))
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled, "CPU_OPTIONS", {**compiled.CPU_OPTIONS, "fx_graph_cache": False})
+    model, requests = make_model(CONFIG, seed=7, std=0.3), mixed_requests(CONFIG, 7, count=3)
+    engine = Engine(model, slots=2, compile=True)
+    assert frozen
+    seen = run_and_record(engine, requests)
+    assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
