@@ -254,7 +254,16 @@ def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatc
     assert_one_line_error(err, r"needs about [\d,]+ MiB .*only 0 MiB are available on cpu; use fewer slots")
 
 
-def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):
+@pytest.fixture
+def ctrl_c_works():
+    """Ctrl-C handled as in a terminal, in this process and the commands it starts: a test run started in
+    the background by a shell (``pytest &``) ignores SIGINT, and so would every child it starts."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path, ctrl_c_works):
     directory = tmp_path / "slow"
     # Big enough that 1000 tokens take seconds, so the signal surely lands mid-stream. Greedy: sampled, this
     # random model can emit the end-of-text token early (about 1 run in 50) and finish before the signal.
@@ -267,7 +276,7 @@ def test_ctrl_c_while_streaming_exits_130_cleanly(tmp_path):
     assert proc.stdout.read(1)  # streaming has begun
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, (proc.returncode, len(out), out[-200:], err[-2000:])
     assert err == b"" and out.endswith(b"\n")
 
 
@@ -295,7 +304,7 @@ sys.exit(main({argv!r}))
      ("generate.serve", ["-c", "{ckpt}", "--port", "0"], 0)],  # a server's normal stop; nothing started
     ids=["generate", "serve"],
 )  # fmt: skip
-def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status):
+def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status, ctrl_c_works):
     argv = [a.format(ckpt=ckpt) for a in argv]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     code = _INTERRUPT_DURING_IMPORT.format(module=module, argv=argv)
@@ -307,7 +316,9 @@ def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status):
     assert [line for line in lines[1:] if "listening" not in line] == []  # no traceback, no error
 
 
-def test_import_holding_signals_hands_the_signal_over_once_the_import_ends(tmp_path, monkeypatch):
+def test_import_holding_signals_hands_the_signal_over_once_the_import_ends(
+    tmp_path, monkeypatch, ctrl_c_works
+):
     from generate.cli import import_holding_signals
 
     (tmp_path / "swallows_interrupts.py").write_text(
