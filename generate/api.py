@@ -44,6 +44,17 @@ class Completion:
     prompt_tokens: int = 0
 
 
+def compiled_span(positions: int) -> int:
+    """The positions a compiled step holds for ``positions``: the next of 64, 96, 128, 192, 256, 384, 512,
+    768, 1024, ... (powers of two and the points halfway between). The decode step reads every slot's
+    keys and values over its whole span, so a span less than half again as long as needed (a power of two
+    alone could be nearly twice as long) reads less each step, for one more compile per doubling."""
+    span = 64
+    while span < positions:
+        span = span * 3 // 2 if span & (span - 1) == 0 else span * 4 // 3
+    return span
+
+
 class Generator:
     """A loaded model and its tokenizer, ready to generate.
 
@@ -147,13 +158,13 @@ class Generator:
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
 
-        Compiled steps have static shapes, so shapes are rounded up to powers of two (slots) and to a
-        power of two of at least 64 positions (capped at the window), and reused across calls.
+        Compiled steps have static shapes, so shapes are rounded up: slots to a power of two, positions
+        by :func:`compiled_span` (capped at the window); and reused across calls.
         """
         window = self.model.config.n_positions
         if self.compile:
             slots = 1 << (slots - 1).bit_length()
-            max_len = max(64, 1 << (max_len - 1).bit_length())
+            max_len = compiled_span(max_len)
         key = (slots, min(max_len, window))
         if key not in self._engines:
             self._engines.clear()  # one engine (and one KV cache) kept at a time
