@@ -115,6 +115,7 @@ class CausalAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
+        blocked: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend each new position to itself and every earlier one.
 
@@ -133,6 +134,8 @@ class CausalAttention(nn.Module):
                 own slot alone, with a span of its length, exactly as that prompt alone would (the same
                 shapes); positions past the last segment are padding and attend to nothing (their output
                 is zeros). The projections run once over all positions.
+            blocked: with ``kv`` and no ``segments``, :meth:`blocked_keys` of ``positions`` and ``span``, made
+                once for every layer by the caller (default: made here).
 
         Returns:
             Tensor of shape (B, T, d_out).
@@ -147,7 +150,7 @@ class CausalAttention(nn.Module):
         if positions is None:
             raise ValueError("attention over a KV cache needs the positions of the new tokens")
         if segments is None:
-            y = self._cached(q, k, v, positions, kv, span)
+            y = self._cached(q, k, v, positions, kv, span, blocked)
         else:
             y = torch.zeros_like(q)  # padding positions stay 0
             start = 0
@@ -160,6 +163,11 @@ class CausalAttention(nn.Module):
                 start += length
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
 
+    @staticmethod
+    def blocked_keys(positions: torch.Tensor, span: int) -> torch.Tensor:
+        """The mask of a cached call: (B, 1, T, span), True where a key's position is past the query's."""
+        return torch.arange(span, device=positions.device) > positions[:, None, :, None]
+
     def _cached(
         self,
         q: torch.Tensor,
@@ -168,6 +176,7 @@ class CausalAttention(nn.Module):
         positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         span: int | None,
+        blocked: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write k and v at their rows' positions, attend q over the cache: (B, nh, T, hs)."""
         b = q.shape[0]
@@ -177,8 +186,8 @@ class CausalAttention(nn.Module):
         k_buf[rows, :, positions] = k.transpose(1, 2)
         v_buf[rows, :, positions] = v.transpose(1, 2)
         span = k_buf.shape[2] if span is None else span
-        keys = torch.arange(span, device=q.device)
-        blocked = keys > positions[:, None, :, None]  # (B, 1, T, span): key position > query position
+        if blocked is None:
+            blocked = self.blocked_keys(positions, span)
         # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
         # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). The scores are
         # computed in the model's dtype from a query scaled first (so fp16 does not overflow where the

@@ -63,8 +63,9 @@ class Block(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
+        blocked: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments)
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments, blocked=blocked)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -175,8 +176,9 @@ class GPT(nn.Module):
         else:
             span = self._check_cached(input_ids, positions, cache, slot, span)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+            blocked = CausalAttention.blocked_keys(positions, span)  # the same for every layer: made once
             for i, block in enumerate(self.h):
-                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span)
+                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, blocked=blocked)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
