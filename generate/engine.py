@@ -176,13 +176,13 @@ class Engine:
             for slot, request in joining.items():
                 self.cache.lengths[slot] = len(request.prompt)
                 self._start_state(slot, request)
-            events += self._choose(dict(zip(joining, logits, strict=True)))
+            events += self._choose(torch.stack(logits), {slot: i for i, slot in enumerate(joining)})
         if self.running:
             positions = torch.tensor(self.cache.lengths)
             logits = self.runner.decode(self._pending, positions)
             for slot in self.running:
                 self.cache.lengths[slot] += 1
-            events += self._choose({slot: logits[slot] for slot in self.running})
+            events += self._choose(logits, {slot: slot for slot in self.running})
         return events
 
     def run(self) -> Iterator[list[tuple[Request, int]]]:
@@ -200,14 +200,19 @@ class Engine:
             counts = torch.zeros(self.vocab, dtype=torch.int32)
         self._state[slot] = (generator, seen, counts)
 
-    def _choose(self, logits_by_slot: dict[int, torch.Tensor]) -> list[tuple[Request, int]]:
+    def _choose(self, logits: torch.Tensor, rows: dict[int, int]) -> list[tuple[Request, int]]:
+        """Choose the next token of every slot in ``rows`` (slot -> its row of ``logits``, (N, V))."""
         events = []
-        for slot, logits in logits_by_slot.items():
-            request = self.running[slot]
-            row = logits[: self.vocab].float()
-            # A finite sum means finite logits (one reduction, ~5 us for 50k logits, against ~85 us for
-            # isfinite().all()); a sum that overflowed is checked exactly.
-            if not math.isfinite(float(row.sum())) and not torch.isfinite(row).all():
+        # All rows at once (idle ones too: no copy of the rows wanted): the finiteness sums, and the argmax
+        # plain greedy rows take (exact either way: a sum is only a quick test; argmax has no order to differ
+        # in). A finite sum means finite logits (one reduction, against ~85 us for isfinite().all() on 50k
+        # logits); a sum that overflowed is checked exactly. (8 rows of GPT-2: 0.69 -> 0.45 ms a step.)
+        block = logits[:, : self.vocab].float()
+        finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
+        argmax = block.argmax(-1).tolist() if any(self._plain_greedy(s) for s in rows) else None
+        for slot, i in rows.items():
+            request, row = self.running[slot], block[i]
+            if not finite[i] and not torch.isfinite(row).all():
                 self._free(slot)
                 message = ("the model produced NaN or infinite logits; the checkpoint may be corrupt, or "
                            "float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
@@ -217,7 +222,8 @@ class Engine:
                 request.finish("error")
                 continue
             generator, seen, counts = self._state[slot]
-            token, logprob, top = sample_row(row, request.sampling, generator, seen, counts,
+            chosen = argmax[i] if argmax is not None and self._plain_greedy(slot) else None
+            token, logprob, top = sample_row(row, request.sampling, generator, seen, counts, token=chosen,
                                              logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip
             if request.logprobs:
                 request.logprobs_list.append(logprob)
@@ -229,6 +235,11 @@ class Engine:
             if request.done:
                 self._free(slot)
         return events
+
+    def _plain_greedy(self, slot: int) -> bool:
+        """Whether the slot's request takes the argmax of its logits as they are (greedy, no penalty)."""
+        sampling = self.running[slot].sampling
+        return sampling.greedy and not sampling.penalized
 
     def _free(self, slot: int) -> None:
         del self.running[slot]

@@ -170,6 +170,7 @@ def sample_row(
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     *,
+    token: int | None = None,
     logprobs: bool = False,
     top: int = 0,
 ) -> tuple[int, float | None, dict[int, float] | None]:
@@ -187,10 +188,11 @@ def sample_row(
     Returns:
         (token, log-probability or None, alternatives or None).
     """
-    row = logits[None]  # (1, V): the batch functions above, on one row
-    if params.penalized and seen is not None and counts is not None:
-        row = apply_penalties(row, seen[None], counts[None], params)
-    token = int(choose(row, params, [generator])[0])
+    if token is None:
+        row = logits[None]  # (1, V): the batch functions above, on one row
+        if params.penalized and seen is not None and counts is not None:
+            row = apply_penalties(row, seen[None], counts[None], params)
+        token = int(choose(row, params, [generator])[0])
     if seen is not None and counts is not None:
         seen[token] = True
         counts[token] += 1

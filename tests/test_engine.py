@@ -79,6 +79,41 @@ def test_seeded_sampling_row_alone_equals_row_in_batch():
         assert generate_ids(model, [p], max_new_tokens=15, sampling=params, seed=42, eos_id=None)[0] == row
 
 
+def test_greedy_rows_with_and_without_penalties_in_one_engine_each_choose_their_own_way():
+    # Plain greedy rows take an argmax made for all rows at once; a penalized greedy row beside them
+    # applies its penalties first. Checked against recomputation, the penalty applied by hand.
+    from generate.engine import Engine
+    from generate.request import Request
+    from generate.sampling import apply_penalties
+
+    config = TINY_CONFIGS["2x2x32"]
+    model = make_model(config, seed=4, std=0.3)
+    plain, shy = random_prompts(config.vocab_size, [4, 7], 4)
+    penalized = SamplingParams(temperature=0, presence_penalty=2.0, repetition_penalty=1.5)
+    engine = Engine(model, slots=2)
+    rows = [
+        engine.add(Request(plain, GREEDY, 10, eos_id=None)),
+        engine.add(Request(shy, penalized, 10, eos_id=None)),
+    ]
+    for _ in engine.run():
+        pass
+    assert rows[0].token_ids == greedy_by_recomputation(model, plain, 10)
+    ids = list(shy)
+    seen, counts = (
+        torch.zeros(config.vocab_size, dtype=torch.bool),
+        torch.zeros(config.vocab_size, dtype=torch.int32),
+    )
+    seen[ids] = True
+    for _ in range(10):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[0, -1:]
+        token = int(apply_penalties(logits, seen[None], counts[None], penalized).argmax())
+        seen[token], counts[token] = True, counts[token] + 1
+        ids.append(token)
+    assert rows[1].token_ids == ids[len(shy) :]
+    assert rows[1].token_ids != greedy_by_recomputation(model, shy, 10)  # the penalties changed something
+
+
 def test_nan_logits_are_reported_not_sampled():
     config = TINY_CONFIGS["2x2x32"]
     model = make_model(config, seed=1)

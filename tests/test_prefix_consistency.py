@@ -92,10 +92,10 @@ def run_and_record(engine: Engine, requests: list[Request]) -> dict[int, list[to
     seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
     choose = engine._choose
 
-    def spy(logits_by_slot):
-        for slot, logits in logits_by_slot.items():
-            seen[id(engine.running[slot])].append(logits.float().clone())
-        return choose(logits_by_slot)
+    def spy(logits, rows):
+        for slot, i in rows.items():
+            seen[id(engine.running[slot])].append(logits[i].float().clone())
+        return choose(logits, rows)
 
     engine._choose = spy
     for r in requests:

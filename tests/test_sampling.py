@@ -107,6 +107,24 @@ def test_a_tiny_temperature_samples_the_most_likely_token(temperature):
     assert token == int(logits[0].argmax()) and math.isfinite(logprob)
 
 
+def test_a_token_chosen_for_many_rows_at_once_is_recorded_as_if_chosen_here():
+    # The engine takes plain greedy rows' argmax for all rows in one call and hands each row its token.
+    torch.manual_seed(1)
+    logits = torch.randn(4, 30)
+    logits[1, 3] = logits[1, 9] = logits[1].max() + 1.0  # a tie: both ways give the first index
+    greedy = SamplingParams(temperature=0)
+    batched = logits.argmax(-1).tolist()
+    for i in range(4):
+        alone = sample_row(logits[i], greedy, torch.Generator(), logprobs=True, top=2)
+        seen, counts = torch.zeros(30, dtype=torch.bool), torch.zeros(30, dtype=torch.int32)
+        given = sample_row(
+            logits[i], greedy, torch.Generator(), seen, counts, token=batched[i], logprobs=True, top=2
+        )
+        assert given == alone and given[0] == batched[i]
+        assert seen.nonzero().flatten().tolist() == [batched[i]] and int(counts.sum()) == 1
+    assert batched[1] == 3
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
