@@ -209,7 +209,8 @@ class Engine:
         # logits); a sum that overflowed is checked exactly. (8 rows of GPT-2: 0.69 -> 0.45 ms a step.)
         block = logits[:, : self.vocab].float()
         finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
-        argmax = block.argmax(-1).tolist() if any(self._plain_greedy(s) for s in rows) else None
+        plain = {slot for slot in rows if self._plain_greedy(slot)}
+        argmax = block.argmax(-1).tolist() if plain else None
         for slot, i in rows.items():
             request, row = self.running[slot], block[i]
             if not finite[i] and not torch.isfinite(row).all():
@@ -222,7 +223,7 @@ class Engine:
                 request.finish("error")
                 continue
             generator, seen, counts = self._state[slot]
-            chosen = argmax[i] if argmax is not None and self._plain_greedy(slot) else None
+            chosen = argmax[i] if slot in plain else None
             token, logprob, top = sample_row(row, request.sampling, generator, seen, counts, token=chosen,
                                              logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip
             if request.logprobs:
