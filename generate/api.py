@@ -14,6 +14,7 @@ import checkpoints
 from generate.engine import Engine
 from generate.memory import said_plainly
 from generate.request import Request, check_prompts, check_seed
+from generate.runner import next_span
 from generate.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
@@ -42,17 +43,6 @@ class Completion:
     finish_reason: str
     logprobs: list[float] | None = None
     prompt_tokens: int = 0
-
-
-def compiled_span(positions: int) -> int:
-    """The positions a compiled step holds for ``positions``: the next of 64, 96, 128, 192, 256, 384, 512,
-    768, 1024, ... (powers of two and the points halfway between). The decode step reads every slot's
-    keys and values over its whole span, so a span less than half again as long as needed (a power of two
-    alone could be nearly twice as long) reads less each step, for one more compile per doubling."""
-    span = 64
-    while span < positions:
-        span = span * 3 // 2 if span & (span - 1) == 0 else span * 4 // 3
-    return span
 
 
 class Generator:
@@ -158,14 +148,14 @@ class Generator:
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
 
-        Compiled steps have static shapes, so shapes are rounded up: slots to a power of two, positions
-        by :func:`compiled_span` (capped at the window); and reused across calls.
+        Positions are rounded up by :func:`~generate.runner.next_span` (capped at the window): a compiled
+        step reads them all, and an eager one the span that holds its rows (one of the same). Compiled
+        steps have static shapes, so their slots are rounded up to a power of two too. Reused across calls.
         """
         window = self.model.config.n_positions
         if self.compile:
             slots = 1 << (slots - 1).bit_length()
-            max_len = compiled_span(max_len)
-        key = (slots, min(max_len, window))
+        key = (slots, min(next_span(max_len), window))
         if key not in self._engines:
             self._engines.clear()  # one engine (and one KV cache) kept at a time
             self._engines[key] = Engine(self.model, slots=key[0], max_len=key[1], compile=self.compile,

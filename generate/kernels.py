@@ -193,3 +193,34 @@ def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple
                     if not torch.equal(layer(x[start : start + rows]), whole[start : start + rows]):
                         return False
     return True
+
+
+def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
+    """Whether the model's cached attention gives a decode step's row the same bits over any of ``spans``
+    (ascending) cache positions that hold the row's position.
+
+    Checked on one layer's attention (every layer has the same kind and shapes) at one new token for each
+    of ``rows`` rows: for each span, twice, positions that need it (the first row at its last position,
+    then at its first past the span before; the other rows anywhere in it), the output over that span
+    against the output over every longer one. Random inputs: a kernel's summation order depends on shapes,
+    not values. Measured on a 2-core AMD EPYC Zen 4: spans of :func:`generate.runner.next_span` (64, 96,
+    128, ...) agreed with each other in fp32, bf16 and fp16 (2,618 comparisons, 1 and 2 threads), while
+    spans that are not multiples of 16 sometimes did not (fp32, up to 1e-7 apart).
+    """
+    attn, cfg = model.h[0].attn, model.config
+    generator = torch.Generator(device=model.device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=model.device).to(model.compute_dtype)
+
+    kv = (randn(rows, cfg.n_head, spans[-1], cfg.head_dim), randn(rows, cfg.n_head, spans[-1], cfg.head_dim))
+    with torch.inference_mode():
+        for i, span in enumerate(spans[:-1]):
+            for first in (span - 1, spans[i - 1] if i else 0):
+                positions = torch.randint(0, span, (rows, 1), generator=generator, device=model.device)
+                positions[0] = first
+                q, k, v = (randn(rows, cfg.n_head, 1, cfg.head_dim) for _ in range(3))
+                outputs = [attn._cached(q, k, v, positions, kv, longer) for longer in spans[i:]]
+                if not all(torch.equal(out, outputs[0]) for out in outputs[1:]):
+                    return False
+    return True

@@ -9,8 +9,14 @@ row counts (:data:`PACK_ROWS`; a longer prompt runs alone, unpadded) and the out
 depend on the other rows: a prompt's logits and cache are then the same in any pass as alone, a single
 prompt included (it is a pass of one). Elsewhere each prompt is prefilled alone.
 
-The decode step runs every slot at once, each row at its own position, over a fixed span of cache
-positions: the same shapes at every step, so :mod:`torch.compile` compiles it once.
+The decode step runs every slot at once, each row at its own position. Compiled, it reads every slot over
+all the cache's positions: the same shapes at every step, so :mod:`torch.compile` compiles it once. Eager,
+it reads only the span that holds every row's position, the next of :func:`next_span`'s lengths (64, 96,
+128, 192, ...; the cache's own length last): a short request in an engine made for the whole window reads
+64 positions a step, not 1,024. A row's attention must then give the same bits over any of these spans,
+or its tokens would depend on how far the other rows have got; a check at start
+(:func:`generate.kernels.spans_agree`) confirms that for the model's attention on the machine, and where
+it does not hold, the eager step reads every position too.
 """
 
 from __future__ import annotations
@@ -22,7 +28,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generate.kernels import OneDNNLinear, UpcastBF16, onednn_pays, rows_independent, upcast_min_rows
+from generate.kernels import (
+    OneDNNLinear,
+    UpcastBF16,
+    onednn_pays,
+    rows_independent,
+    spans_agree,
+    upcast_min_rows,
+)
 from generate.routes import model_facts, recorded
 from model import GPT, KVCache
 
@@ -36,6 +49,27 @@ PACK_HEAD_ROWS = (2, 4, 8, 16)
 _independent: dict[tuple, bool] = {}
 
 
+def next_span(positions: int) -> int:
+    """The span that holds ``positions``: the next of 64, 96, 128, 192, 256, 384, 512, 768, 1024, ...
+    (powers of two and the points halfway between). A decode step reads every slot's keys and values over
+    its span, so a span less than half again as long as needed (a power of two alone could be nearly twice
+    as long) reads less each step; compiled, it costs one more compile per doubling."""
+    span = 64
+    while span < positions:
+        span = span * 3 // 2 if span & (span - 1) == 0 else span * 4 // 3
+    return span
+
+
+def decode_spans(max_len: int) -> tuple[int, ...]:
+    """The spans an eager decode step over a cache of ``max_len`` positions may read: every
+    :func:`next_span` length below ``max_len``, then ``max_len``."""
+    spans, span = [], next_span(1)
+    while span < max_len:
+        spans.append(span)
+        span = next_span(span + 1)
+    return (*spans, max_len)
+
+
 def _next(count: int, counts: tuple[int, ...]) -> int:
     """The smallest of ``counts`` (ascending) that holds ``count``, or ``count`` itself past the last."""
     return next((c for c in counts if c >= count), count)
@@ -46,10 +80,12 @@ class Runner:
 
     Args:
         model: the model (eval mode).
-        cache: the engine's KV cache; the decode step reads ``cache.max_len`` positions of every slot.
+        cache: the engine's KV cache.
         compile: compile the decode step (see :func:`generate.compiled.compile_step`).
 
     Attributes:
+        spans: the spans the eager decode step reads (see the module docstring): :func:`decode_spans` of
+            the cache's length where :func:`generate.kernels.spans_agree` holds, else the cache's length.
         onednn: whether the eager decode step runs its fp32 products in oneDNN
             (:class:`generate.kernels.OneDNNLinear`): where the products alone are faster there
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
@@ -61,7 +97,8 @@ class Runner:
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
         self.model, self.cache = model, cache
-        self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._eager_decode
+        self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
@@ -78,6 +115,13 @@ class Runner:
             "onednn-prefill", {**facts, "rows": PACK_ROWS[1]}, lambda: onednn_pays(model, PACK_ROWS[1])
         )
         if not compile:
+            spans = decode_spans(cache.max_len)
+            if len(spans) > 1 and recorded(
+                "decode-spans",
+                {**facts, "slots": cache.slots, "spans": spans},
+                lambda: spans_agree(model, cache.slots, spans),
+            ):
+                self.spans = spans
             shape = {**facts, "slots": cache.slots, "max_len": cache.max_len}
             self.onednn = recorded(
                 "onednn-decode",
@@ -171,12 +215,13 @@ class Runner:
                                 last_only=True)  # fmt: skip
         return logits[0, -1]
 
-    def _eager_decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        with self._eager_routes(decode=True):
-            return self.model(tokens, positions=positions, cache=self.cache, last_only=True)[:, -1]
-
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
         device = self.model.device
         with torch.inference_mode():  # fresh inference tensors every step, as the compiled step was traced on
-            return self._decode(tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None])
+            tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
+            if self._decode is not None:
+                return self._decode(tokens, rows)
+            span = next(s for s in self.spans if s > int(positions.max()))  # (the last holds every position)
+            with self._eager_routes(decode=True):
+                return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]

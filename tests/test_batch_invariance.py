@@ -14,9 +14,12 @@ from test_prefix_consistency import run_and_record
 
 from conftest import INT4_CONFIG, TINY_CONFIGS, make_model
 from generate.engine import Engine
-from generate.kernels import onednn_available
+from generate.kernels import onednn_available, spans_agree
 from generate.request import Request
+from generate.runner import decode_spans
 from generate.sampling import SamplingParams
+from model import GPTConfig
+from model.attention import CausalAttention
 from model.int4 import quantize_int4
 from model.quant import quantize_int8
 
@@ -153,3 +156,110 @@ def test_masked_cache_positions_do_not_reach_a_row():
     reference = run_and_record(Engine(model, slots=2), [fresh(r) for r in rs])
     for got, want in zip(seen.values(), reference.values(), strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# A window of 256 positions: the eager step's span follows the rows (64, 96, 128, 192, 256) where the check
+# at start finds attention gives the same bits over each of them (generate/runner.py).
+LONG_WINDOW = GPTConfig(vocab_size=97, n_positions=256, n_embd=64, n_layer=2, n_head=2)
+
+
+def long_window_model(dtype: str):
+    model = make_model(LONG_WINDOW, seed=9, std=0.1)
+    if dtype.startswith("int4"):
+        return quantize_int4(model, 32, include_head=dtype == "int4")
+    if dtype.startswith("int8"):
+        return quantize_int8(model, include_head=dtype == "int8")
+    return model.to(getattr(torch, dtype))
+
+
+def requests_across_spans() -> list[Request]:
+    # One row runs past 192 positions while short ones (under 64, or crossing it) come and go beside it.
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i, (length, budget) in enumerate([(150, 60), (5, 30), (60, 10), (2, 12), (100, 40)]):
+        prompt = torch.randint(0, LONG_WINDOW.vocab_size, (length,), generator=g).tolist()
+        sampling = SamplingParams(temperature=0) if i % 2 else SAMPLED
+        out.append(Request(prompt, sampling, max_new_tokens=budget, seed=200 + i, eos_id=None, logprobs=True))
+    return out
+
+
+def decode_spans_read(engine: Engine) -> list[int]:
+    """Spy on the model: the span of every decode step (one new token per row) the engine runs."""
+    spans, forward = [], engine.model.forward
+
+    def spy(ids, *args, **kwargs):
+        if kwargs.get("cache") is not None and ids.shape[1] == 1:
+            spans.append(kwargs.get("span") or engine.cache.max_len)
+        return forward(ids, *args, **kwargs)
+
+    engine.model.forward = spy
+    return spans
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_alone_equals_it_beside_longer_rows_whatever_span_the_step_reads(dtype):
+    # The short rows' steps read 192 or 256 positions while the long row runs, 64 alone; their logits, tokens
+    # and logprobs must not change. Bitwise, in the same engine width (fp32 across widths is not bitwise).
+    model = long_window_model(dtype)
+    together = requests_across_spans()
+    shared = Engine(model, slots=2)
+    spans = decode_spans_read(shared)
+    seen_together = run_and_record(shared, together)
+    spans_together = set(spans)
+    assert shared.runner.spans in (decode_spans(256), (256,))  # following, or every position (the check)
+    alone_engine = Engine(model, slots=2)
+    spans.clear()
+    for r in together:
+        single = fresh(r)
+        alone = run_and_record(alone_engine, [single])[id(single)]
+        assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list, r.prompt
+        assert all(torch.equal(a, b) for a, b in zip(alone, seen_together[id(r)], strict=True)), r.prompt
+    if len(shared.runner.spans) > 1:  # (a short row read 128 and more beside the long one, 64 alone)
+        assert min(spans_together) == 128 and {192, 256} <= spans_together and min(spans) == 64
+    del model.forward
+
+
+def test_the_eager_step_reads_the_span_that_holds_its_rows():
+    # Alone, and two at a time: a step reads the span of its furthest row.
+    model = long_window_model("float32")
+    read, forward = [], model.forward
+
+    def spy(ids, *args, **kwargs):
+        if ids.shape[1] == 1:
+            read.append((int(kwargs["positions"].max()), kwargs["span"]))
+        return forward(ids, *args, **kwargs)
+
+    model.forward = spy
+    for slots in (1, 2):
+        engine = Engine(model, slots=slots)
+        engine.runner.spans = decode_spans(256)  # following, whatever the check found here
+        run_and_record(engine, requests_across_spans())
+    del model.forward
+    assert {span for _, span in read} == {64, 96, 128, 192, 256}
+    for position, span in read:
+        assert span == next(s for s in decode_spans(256) if s > position), (position, span)
+
+
+def test_the_span_check_finds_attention_that_depends_on_its_span(monkeypatch):
+    model = long_window_model("float32")
+    cached = CausalAttention._cached
+
+    def span_dependent(self, q, k, v, positions, kv, span, blocked=None):
+        return cached(self, q, k, v, positions, kv, span, blocked) + (span == 192) * 1e-7
+
+    monkeypatch.setattr(CausalAttention, "_cached", span_dependent)
+    assert not spans_agree(model, 2, decode_spans(256))
+    assert not spans_agree(model, 1, (128, 192))
+    assert spans_agree(model, 2, (64, 96, 128))  # (the spans it cannot tell apart from the others)
+
+
+def test_where_spans_disagree_the_eager_step_reads_every_position(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))  # nothing kept from an earlier check
+    monkeypatch.setattr("generate.runner.spans_agree", lambda model, rows, spans: False)
+    model = long_window_model("float32")
+    engine = Engine(model, slots=2)
+    assert engine.runner.spans == (256,)
+    spans = decode_spans_read(engine)
+    run_and_record(engine, requests_across_spans())
+    del model.forward
+    assert set(spans) == {256}

@@ -18,7 +18,9 @@ from conftest import TINY_CONFIGS, cached_logits, make_model
 from generate.engine import Engine
 from generate.kernels import onednn_available
 from generate.request import Request
+from generate.runner import decode_spans
 from generate.sampling import SamplingParams
+from model import GPTConfig
 
 # The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
 ROUTES = [False, pytest.param(True, marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))]
@@ -158,6 +160,21 @@ def test_compiled_engine_with_rows_joining_mid_run_equals_full_forward(dtype):
     model = make_model(config, seed=6, std=0.1 if dtype == torch.bfloat16 else 0.3).to(dtype)
     requests = mixed_requests(config, 6, count=5)
     seen = run_and_record(Engine(model, slots=2, compile=True), requests)
+    assert_engine_matches_full_forward(
+        model, requests, seen, FP32_TOL if dtype == torch.float32 else BF16_TOL
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_reading_the_span_of_its_rows_equals_full_forward_at_every_prefix(dtype):
+    # A 256-position window: the eager step reads 64, 96, ... 256 positions as the furthest row needs
+    # (generate/runner.py), here taken whatever the check at start found on this machine.
+    config = GPTConfig(vocab_size=97, n_positions=256, n_embd=48, n_layer=2, n_head=3)
+    model = make_model(config, seed=7, std=0.3 if dtype == torch.float32 else 0.1).to(dtype)
+    requests = mixed_requests(config, 7, count=8)
+    engine = Engine(model, slots=3)
+    engine.runner.spans = decode_spans(256)
+    seen = run_and_record(engine, requests)
     assert_engine_matches_full_forward(
         model, requests, seen, FP32_TOL if dtype == torch.float32 else BF16_TOL
     )
