@@ -3,8 +3,9 @@
 Each step admits waiting requests into free slots (their prompts prefilled together, each into its slot, as
 :class:`generate.runner.Runner` packs them: a prompt gets the same logits as alone), then runs
 one decode step over every slot: each row feeds its last token at its own position. A finished request frees
-its slot at once. The decode step always has the same shapes (one row per slot, a fixed span of cache
-positions), so it can be compiled once, and a row's arithmetic does not depend on the other rows.
+its slot at once. The compiled decode step always has the same shapes (one row per slot, a fixed span of
+cache positions), so it is compiled once; the eager one reads the span that holds its rows (where that
+gives the same bits, :mod:`generate.runner`). Either way a row's bits do not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from generate.memory import available_memory, out_of_memory, said_plainly
 from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
-from generate.runner import Runner
+from generate.runner import Runner, next_span
 from generate.sampling import SamplingParams, sample_row
 from model import GPT, GPTConfig, KVCache
 
@@ -65,7 +66,10 @@ class Engine:
         model: the model (eval mode).
         slots: how many requests run at once (rows of every decode step).
         max_len: cache positions per slot (default the model's window); a request whose prompt plus output
-            reaches it finishes with ``"length"``.
+            reaches it finishes with ``"length"``. An eager step reads only the span that holds its rows
+            (:class:`generate.runner.Runner`), one of 64, 96, 128, 192, ... and ``max_len`` itself: a
+            ``max_len`` among these (:func:`generate.runner.next_span`) keeps that span bitwise safe to
+            follow on more machines (see :func:`generate.kernels.spans_agree`).
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled (see :class:`generate.runner.Runner`).
@@ -298,7 +302,8 @@ def generate_ids(
         raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
     requests = [Request(p, sampling or SamplingParams(), max_new_tokens, seed=s, eos_id=eos_id,
                         logprobs=logprobs) for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
-    max_len = min(model.config.n_positions, max(len(p) for p in prompts) + max(1, int(max_new_tokens)))
+    longest = max(len(p) for p in prompts) + max(1, int(max_new_tokens))
+    max_len = min(model.config.n_positions, next_span(longest))  # (the spans an eager step reads: runner.py)
     engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
     for r in requests:
         engine.add(r)
