@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from model import GPT
+from model import GPT, KVCache
 
 
 @functools.cache
@@ -213,7 +214,10 @@ def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, device=model.device).to(model.compute_dtype)
 
-    kv = (randn(rows, cfg.n_head, spans[-1], cfg.head_dim), randn(rows, cfg.n_head, spans[-1], cfg.head_dim))
+    made = (cfg, rows, spans[-1], model.compute_dtype, model.device)  # one layer's, in the cache's layout
+    kv = (KVCache.buffer(*made), KVCache.buffer(*made))
+    for buffer in kv:
+        buffer.copy_(randn(*buffer.shape))
     with torch.inference_mode():
         for i, span in enumerate(spans[:-1]):
             for first in (span - 1, spans[i - 1] if i else 0):
@@ -223,4 +227,29 @@ def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
                 outputs = [attn._cached(q, k, v, positions, kv, longer) for longer in spans[i:]]
                 if not all(torch.equal(out, outputs[0]) for out in outputs[1:]):
                     return False
+    return True
+
+
+def step_spans_agree(
+    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    cache: KVCache,
+    spans: tuple[int, ...],
+    vocab_size: int,
+) -> bool:
+    """Whether a compiled decode ``step`` over ``cache`` gives every row the same logits over any of
+    ``spans`` (ascending) cache positions that hold its position: :func:`spans_agree` for the whole step,
+    whose kernels the compiler made. For each span, positions that need it (the first row at its last
+    position, the others anywhere in it) and random tokens, the logits over that span against those over
+    every longer one. It writes the cache at those positions (the engine clears a slot as a request joins).
+    """
+    device = cache.k[0].device
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.inference_mode():
+        for i, span in enumerate(spans[:-1]):
+            positions = torch.randint(0, span, (cache.slots, 1), generator=generator, device=device)
+            positions[0] = span - 1
+            tokens = torch.randint(0, vocab_size, (cache.slots, 1), generator=generator, device=device)
+            logits = [step(tokens.clone(), positions.clone(), longer).clone() for longer in spans[i:]]
+            if not all(torch.equal(out, logits[0]) for out in logits[1:]):
+                return False
     return True

@@ -9,14 +9,15 @@ row counts (:data:`PACK_ROWS`; a longer prompt runs alone, unpadded) and the out
 depend on the other rows: a prompt's logits and cache are then the same in any pass as alone, a single
 prompt included (it is a pass of one). Elsewhere each prompt is prefilled alone.
 
-The decode step runs every slot at once, each row at its own position. Compiled, it reads every slot over
-all the cache's positions: the same shapes at every step, so :mod:`torch.compile` compiles it once. Eager,
-it reads only the span that holds every row's position, the next of :func:`next_span`'s lengths (64, 96,
-128, 192, ...; the cache's own length last): a short request in an engine made for the whole window reads
-64 positions a step, not 1,024. A row's attention must then give the same bits over any of these spans,
-or its tokens would depend on how far the other rows have got; a check at start
-(:func:`generate.kernels.spans_agree`) confirms that for the model's attention on the machine, and where
-it does not hold, the eager step reads every position too.
+The decode step runs every slot at once, each row at its own position, and reads only the span of cache
+positions that holds every row's position: the next of :func:`next_span`'s lengths (64, 96, 128, 192,
+...; the cache's own length last), so a short request in an engine made for the whole window reads 64
+positions a step, not 1,024. A row's attention must then give the same bits over any of these spans, or
+its tokens would depend on how far the other rows have got; a check at start confirms that on the machine
+(eager: :func:`generate.kernels.spans_agree` on the model's attention; compiled:
+:func:`generate.kernels.step_spans_agree` on the whole step), and where it does not hold the step reads
+every position. Compiled on the CPU, the span is the step's one dynamic size (its other shapes are static,
+one graph); the CUDA step reads every position.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from generate.kernels import (
     onednn_pays,
     rows_independent,
     spans_agree,
+    step_spans_agree,
     upcast_min_rows,
 )
 from generate.routes import model_facts, recorded
@@ -84,8 +86,10 @@ class Runner:
         compile: compile the decode step (see :func:`generate.compiled.compile_step`).
 
     Attributes:
-        spans: the spans the eager decode step reads (see the module docstring): :func:`decode_spans` of
-            the cache's length where :func:`generate.kernels.spans_agree` holds, else the cache's length.
+        spans: the spans the decode step reads (see the module docstring): :func:`decode_spans` of the
+            cache's length where the check holds (eager: :func:`generate.kernels.spans_agree`; compiled,
+            where the step takes a span: :func:`generate.kernels.step_spans_agree`), else the cache's
+            length alone.
         onednn: whether the eager decode step runs its fp32 products in oneDNN
             (:class:`generate.kernels.OneDNNLinear`): where the products alone are faster there
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
@@ -97,14 +101,20 @@ class Runner:
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
         self.model, self.cache = model, cache
-        self._decode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
+        facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
 
-            self._decode = compile_step(model, cache)
-        facts = model_facts(model)
+            self._decode, spans, key = compile_step(model, cache)
+            if len(spans) > 1 and recorded(
+                "compiled-spans",  # (per library: the kernels autotuning chose are its own)
+                {**facts, "slots": cache.slots, "spans": spans, "step": key},
+                lambda: step_spans_agree(self._decode, cache, spans, model.config.vocab_size),
+            ):
+                self.spans = spans
         self.upcast_rows = recorded(
             "upcast-rows",
             facts,
@@ -220,8 +230,8 @@ class Runner:
         device = self.model.device
         with torch.inference_mode():  # fresh inference tensors every step, as the compiled step was traced on
             tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
-            if self._decode is not None:
-                return self._decode(tokens, rows)
             span = next(s for s in self.spans if s > int(positions.max()))  # (the last holds every position)
+            if self._decode is not None:
+                return self._decode(tokens, rows, span)
             with self._eager_routes(decode=True):
                 return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]

@@ -8,8 +8,8 @@ from model.config import GPTConfig
 
 
 class KVCache:
-    """Static key/value buffers, one pair per layer of shape (slots, n_head, max_len, head_dim), and each
-    slot's length.
+    """Static key/value buffers, one pair per layer of shape (slots, n_head, max_len, head_dim) (views of
+    one position more: see ``__init__``), and each slot's length.
 
     A slot is one sequence's row. ``GPT.forward(..., cache=cache, positions=...)`` writes the new keys and
     values of each row at that row's own positions (an index write) and attention masks by position, so
@@ -44,12 +44,25 @@ class KVCache:
             raise ValueError(
                 f"max_len must be in 1..{config.n_positions} (the model's n_positions), got {max_len}"
             )
-        shape = (slots, config.n_head, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)]
+        made = (config, slots, max_len, dtype, device)
+        self.k = [self.buffer(*made) for _ in range(config.n_layer)]
+        self.v = [self.buffer(*made) for _ in range(config.n_layer)]
         self.slots = slots
         self.max_len = max_len
         self.lengths = [0] * slots
+
+    @staticmethod
+    def buffer(
+        config: GPTConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str | None
+    ) -> torch.Tensor:
+        """One layer's zeroed key (or value) buffer, (slots, n_head, max_len, head_dim).
+
+        Its storage holds one position more, never used: the keys a step reads are then never the whole
+        buffer, so a step exported with its span as a dynamic size needs no case for the span that would be
+        (``torch.export`` refused the span's range: whether the slice is contiguous depends on it).
+        """
+        shape = (slots, config.n_head, max_len + 1, config.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len]
 
     @classmethod
     def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
@@ -77,7 +90,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers."""
-        return sum(b.nbytes for b in (*self.k, *self.v))
+        return sum(b.untyped_storage().nbytes() for b in (*self.k, *self.v))
 
     @staticmethod
     def bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:

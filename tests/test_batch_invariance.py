@@ -14,11 +14,11 @@ from test_prefix_consistency import run_and_record
 
 from conftest import INT4_CONFIG, TINY_CONFIGS, make_model
 from generate.engine import Engine
-from generate.kernels import onednn_available, spans_agree
+from generate.kernels import onednn_available, spans_agree, step_spans_agree
 from generate.request import Request
 from generate.runner import decode_spans
 from generate.sampling import SamplingParams
-from model import GPTConfig
+from model import GPTConfig, KVCache
 from model.attention import CausalAttention
 from model.int4 import quantize_int4
 from model.quant import quantize_int8
@@ -183,9 +183,15 @@ def requests_across_spans() -> list[Request]:
     return out
 
 
-def decode_spans_read(engine: Engine) -> list[int]:
-    """Spy on the model: the span of every decode step (one new token per row) the engine runs."""
-    spans, forward = [], engine.model.forward
+def decode_spans_read(engine: Engine, spans: list[int] | None = None) -> list[int]:
+    """Spy on the engine's decode steps: the span each reads (appended to ``spans``, returned)."""
+    spans = [] if spans is None else spans
+    runner = engine.runner
+    if runner._decode is not None:  # compiled: the step's span argument
+        step = runner._decode
+        runner._decode = lambda tokens, positions, span: spans.append(span) or step(tokens, positions, span)
+        return spans
+    forward = engine.model.forward
 
     def spy(ids, *args, **kwargs):
         if kwargs.get("cache") is not None and ids.shape[1] == 1:
@@ -196,27 +202,37 @@ def decode_spans_read(engine: Engine) -> list[int]:
     return spans
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_row_alone_equals_it_beside_longer_rows_whatever_span_the_step_reads(dtype):
-    # The short rows' steps read 192 or 256 positions while the long row runs, 64 alone; their logits, tokens
-    # and logprobs must not change. Bitwise, in the same engine width (fp32 across widths is not bitwise).
-    model = long_window_model(dtype)
+def alone_beside_longer_rows(model, compile: bool) -> None:
+    # The short rows' steps read 128 to 256 positions while the long row runs, 64 on alone; their logits,
+    # tokens and logprobs must not change. Bitwise, in the same engine width (fp32 across widths is not).
     together = requests_across_spans()
-    shared = Engine(model, slots=2)
+    shared = Engine(model, slots=2, compile=compile)
     spans = decode_spans_read(shared)
     seen_together = run_and_record(shared, together)
     spans_together = set(spans)
     assert shared.runner.spans in (decode_spans(256), (256,))  # following, or every position (the check)
-    alone_engine = Engine(model, slots=2)
+    alone_engine = Engine(model, slots=2, compile=compile)
     spans.clear()
+    decode_spans_read(alone_engine, spans)
     for r in together:
         single = fresh(r)
         alone = run_and_record(alone_engine, [single])[id(single)]
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list, r.prompt
         assert all(torch.equal(a, b) for a, b in zip(alone, seen_together[id(r)], strict=True)), r.prompt
-    if len(shared.runner.spans) > 1:  # (a short row read 128 and more beside the long one, 64 alone)
+    if len(shared.runner.spans) > 1:
         assert min(spans_together) == 128 and {192, 256} <= spans_together and min(spans) == 64
-    del model.forward
+    vars(model).pop("forward", None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_alone_equals_it_beside_longer_rows_whatever_span_the_step_reads(dtype):
+    alone_beside_longer_rows(long_window_model(dtype), compile=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])  # (int8 computes in bf16)
+def test_compiled_a_row_alone_equals_it_beside_longer_rows_whatever_span_the_step_reads(dtype):
+    # The packaged CPU step takes its span as a dynamic size (generate/compiled.py): one compile per dtype.
+    alone_beside_longer_rows(long_window_model(dtype), compile=True)
 
 
 def test_the_eager_step_reads_the_span_that_holds_its_rows():
@@ -262,4 +278,35 @@ def test_where_spans_disagree_the_eager_step_reads_every_position(monkeypatch, t
     spans = decode_spans_read(engine)
     run_and_record(engine, requests_across_spans())
     del model.forward
+    assert set(spans) == {256}
+
+
+def test_the_compiled_span_check_finds_a_step_that_depends_on_its_span():
+    cache = KVCache(LONG_WINDOW, 2, 256)
+    logits = torch.randn(2, LONG_WINDOW.vocab_size)
+
+    def same(tokens, positions, span):
+        return logits
+
+    def differs_at_192(tokens, positions, span):
+        return logits + (span == 192) * 1e-7
+
+    assert step_spans_agree(same, cache, decode_spans(256), LONG_WINDOW.vocab_size)
+    assert not step_spans_agree(differs_at_192, cache, decode_spans(256), LONG_WINDOW.vocab_size)
+
+
+def test_where_the_compiled_spans_disagree_the_step_reads_every_position(monkeypatch, tmp_path):
+    # The fp32 step of the compiled test above (the same package, loaded from the tests' cache); a fresh
+    # routes file, so the check is made again, and refused.
+    import shutil
+
+    from generate.compiled import cache_dir
+
+    shutil.copytree(cache_dir() / "steps", tmp_path / "steps")
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("generate.runner.step_spans_agree", lambda *args: False)
+    engine = Engine(long_window_model("float32"), slots=2, compile=True)
+    assert engine.runner.spans == (256,)
+    spans = decode_spans_read(engine)
+    run_and_record(engine, requests_across_spans())
     assert set(spans) == {256}
