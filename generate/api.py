@@ -148,9 +148,9 @@ class Generator:
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
 
-        Positions are rounded up by :func:`~generate.runner.next_span` (capped at the window): a compiled
-        step reads them all, and an eager one the span that holds its rows (one of the same). Compiled
-        steps have static shapes, so their slots are rounded up to a power of two too. Reused across calls.
+        Positions are rounded up by :func:`~generate.runner.next_span` (capped at the window), the lengths
+        a step reads as the span that holds its rows (:mod:`generate.runner`). A compiled step's shapes are
+        otherwise static, so its slots are rounded up to a power of two too. Reused across calls.
         """
         window = self.model.config.n_positions
         if self.compile:

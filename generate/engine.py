@@ -3,9 +3,9 @@
 Each step admits waiting requests into free slots (their prompts prefilled together, each into its slot, as
 :class:`generate.runner.Runner` packs them: a prompt gets the same logits as alone), then runs
 one decode step over every slot: each row feeds its last token at its own position. A finished request frees
-its slot at once. The compiled decode step always has the same shapes (one row per slot, a fixed span of
-cache positions), so it is compiled once; the eager one reads the span that holds its rows (where that
-gives the same bits, :mod:`generate.runner`). Either way a row's bits do not depend on the other rows.
+its slot at once. The decode step has one row per slot and reads the span of cache positions that holds its
+rows (where that gives the same bits, :mod:`generate.runner`); compiled, that span is its one dynamic size,
+so it is compiled once. A row's bits do not depend on the other rows.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Engine:
         model: the model (eval mode).
         slots: how many requests run at once (rows of every decode step).
         max_len: cache positions per slot (default the model's window); a request whose prompt plus output
-            reaches it finishes with ``"length"``. An eager step reads only the span that holds its rows
+            reaches it finishes with ``"length"``. A step reads only the span that holds its rows
             (:class:`generate.runner.Runner`), one of 64, 96, 128, 192, ... and ``max_len`` itself: a
             ``max_len`` among these (:func:`generate.runner.next_span`) keeps that span bitwise safe to
             follow on more machines (see :func:`generate.kernels.spans_agree`).

@@ -63,7 +63,7 @@ def next_span(positions: int) -> int:
 
 
 def decode_spans(max_len: int) -> tuple[int, ...]:
-    """The spans an eager decode step over a cache of ``max_len`` positions may read: every
+    """The spans a decode step over a cache of ``max_len`` positions may read: every
     :func:`next_span` length below ``max_len``, then ``max_len``."""
     spans, span = [], next_span(1)
     while span < max_len:

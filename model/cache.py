@@ -9,7 +9,7 @@ from model.config import GPTConfig
 
 class KVCache:
     """Static key/value buffers, one pair per layer of shape (slots, n_head, max_len, head_dim) (views of
-    one position more: see ``__init__``), and each slot's length.
+    one position more: see :meth:`buffer`), and each slot's length.
 
     A slot is one sequence's row. ``GPT.forward(..., cache=cache, positions=...)`` writes the new keys and
     values of each row at that row's own positions (an index write) and attention masks by position, so
