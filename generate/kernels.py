@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -196,17 +196,29 @@ def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple
     return True
 
 
+def _positions_needing(
+    spans: tuple[int, ...], rows: int, generator: torch.Generator, device: torch.device
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """For each of ``spans`` but the last, twice: its index and (rows, 1) positions that need it (the first
+    row at the span's last position, then at its first past the span before; the other rows anywhere in
+    it). Both span checks compare their outputs over that span and every longer one at these."""
+    for i, span in enumerate(spans[:-1]):
+        for first in (span - 1, spans[i - 1] if i else 0):
+            positions = torch.randint(0, span, (rows, 1), generator=generator, device=device)
+            positions[0] = first
+            yield i, positions
+
+
 def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
     """Whether the model's cached attention gives a decode step's row the same bits over any of ``spans``
     (ascending) cache positions that hold the row's position.
 
     Checked on one layer's attention (every layer has the same kind and shapes) at one new token for each
-    of ``rows`` rows: for each span, twice, positions that need it (the first row at its last position,
-    then at its first past the span before; the other rows anywhere in it), the output over that span
-    against the output over every longer one. Random inputs: a kernel's summation order depends on shapes,
-    not values. Measured on a 2-core AMD EPYC Zen 4: spans of :func:`generate.runner.next_span` (64, 96,
-    128, ...) agreed with each other in fp32, bf16 and fp16 (2,618 comparisons, 1 and 2 threads), while
-    spans that are not multiples of 16 sometimes did not (fp32, up to 1e-7 apart).
+    of ``rows`` rows, at :func:`_positions_needing` each span: the output over that span against the
+    output over every longer one. Random inputs: a kernel's summation order depends on shapes, not values.
+    Measured on a 2-core AMD EPYC Zen 4: spans of :func:`generate.runner.next_span` (64, 96, 128, ...)
+    agreed with each other in fp32, bf16 and fp16 (2,618 comparisons, 1 and 2 threads), while spans that
+    are not multiples of 16 sometimes did not (fp32, up to 1e-7 apart).
     """
     attn, cfg = model.h[0].attn, model.config
     generator = torch.Generator(device=model.device).manual_seed(0)
@@ -219,14 +231,11 @@ def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
     for buffer in kv:
         buffer.copy_(randn(*buffer.shape))
     with torch.inference_mode():
-        for i, span in enumerate(spans[:-1]):
-            for first in (span - 1, spans[i - 1] if i else 0):
-                positions = torch.randint(0, span, (rows, 1), generator=generator, device=model.device)
-                positions[0] = first
-                q, k, v = (randn(rows, cfg.n_head, 1, cfg.head_dim) for _ in range(3))
-                outputs = [attn._cached(q, k, v, positions, kv, longer) for longer in spans[i:]]
-                if not all(torch.equal(out, outputs[0]) for out in outputs[1:]):
-                    return False
+        for i, positions in _positions_needing(spans, rows, generator, model.device):
+            q, k, v = (randn(rows, cfg.n_head, 1, cfg.head_dim) for _ in range(3))
+            outputs = [attn._cached(q, k, v, positions, kv, longer) for longer in spans[i:]]
+            if not all(torch.equal(out, outputs[0]) for out in outputs[1:]):
+                return False
     return True
 
 
@@ -238,16 +247,14 @@ def step_spans_agree(
 ) -> bool:
     """Whether a compiled decode ``step`` over ``cache`` gives every row the same logits over any of
     ``spans`` (ascending) cache positions that hold its position: :func:`spans_agree` for the whole step,
-    whose kernels the compiler made. For each span, positions that need it (the first row at its last
-    position, the others anywhere in it) and random tokens, the logits over that span against those over
-    every longer one. It writes the cache at those positions (the engine clears a slot as a request joins).
+    whose kernels the compiler made. At :func:`_positions_needing` each span, with random tokens, the
+    logits over that span against those over every longer one. It writes the cache at those positions (the
+    engine clears a slot as a request joins).
     """
     device = cache.k[0].device
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.inference_mode():
-        for i, span in enumerate(spans[:-1]):
-            positions = torch.randint(0, span, (cache.slots, 1), generator=generator, device=device)
-            positions[0] = span - 1
+        for i, positions in _positions_needing(spans, cache.slots, generator, device):
             tokens = torch.randint(0, vocab_size, (cache.slots, 1), generator=generator, device=device)
             logits = [step(tokens.clone(), positions.clone(), longer).clone() for longer in spans[i:]]
             if not all(torch.equal(out, logits[0]) for out in logits[1:]):
