@@ -18,7 +18,7 @@ from generate.kernels import onednn_available, spans_agree, step_spans_agree
 from generate.request import Request
 from generate.runner import decode_spans
 from generate.sampling import SamplingParams
-from model import GPTConfig, KVCache
+from model import GPTConfig, KVCache, attention
 from model.attention import CausalAttention
 from model.int4 import quantize_int4
 from model.quant import quantize_int8
@@ -107,6 +107,30 @@ def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
     for r, single, together, alone in alone_and_together(model_in(dtype), slots=4, alone_slots=1):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+def test_16_bit_attention_upcast_a_piece_of_rows_at_a_time_changes_no_bit(dtype, monkeypatch):
+    # Wide eager steps over long spans upcast keys and values in pieces of rows (model/attention.py). With
+    # pieces of one row, the 3-slot engine's steps take three: every logit the same as in one piece.
+    model = model_in(dtype)
+    whole = requests()
+    seen_whole = run_and_record(engine(model, 3), whole)
+    monkeypatch.setattr(attention, "UPCAST_PIECE_BYTES", 1)
+    piece_rows = []
+    attend = CausalAttention._attend
+
+    def spy(self, q, *args):
+        piece_rows.append(q.shape[0])
+        return attend(self, q, *args)
+
+    monkeypatch.setattr(CausalAttention, "_attend", spy)
+    pieces = [fresh(r) for r in whole]
+    seen_pieces = run_and_record(engine(model, 3), pieces)
+    assert set(piece_rows) == {1} and len(piece_rows) > 3 * CONFIG.n_layer * len(whole)
+    for r, p in zip(whole, pieces, strict=True):
+        assert p.token_ids == r.token_ids and p.logprobs_list == r.logprobs_list
+        assert all(torch.equal(a, b) for a, b in zip(seen_pieces[id(p)], seen_whole[id(r)], strict=True))
 
 
 @pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
