@@ -13,11 +13,10 @@ from torch import nn
 # per call. A model of 40,000 positions once held a 1.6 GB mask it might never use.
 MASK_BUFFER_POSITIONS = 2048
 
-# Cached attention upcasts 16-bit keys and values to fp32 in pieces of rows whose keys take at most this many
-# bytes: glibc's malloc hands larger temporaries out as fresh mappings, faulted in anew every call (an eager
-# int8 step of GPT-2 124M at 8 rows x 1,024 positions took 2.5x as long in one piece). Rows are independent,
-# so the pieces change no bits.
-UPCAST_PIECE_BYTES = 8 << 20
+# An eager decode step upcasts 16-bit keys and values in pieces of rows whose upcast keys take at most this
+# many bytes: glibc's malloc maps larger temporaries afresh every call (an eager int8 step of GPT-2 124M at 8
+# rows x 1,024 positions took 2.5x as long in one piece). Rows are independent, so pieces change no bits.
+ROW_PIECE_BYTES = 8 << 20
 
 
 class CausalAttention(nn.Module):
@@ -195,21 +194,21 @@ class CausalAttention(nn.Module):
         if blocked is None:
             blocked = self.blocked_keys(positions, span)
         # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
-        # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). The products run in
-        # fp32 whatever the cache's dtype, as SDPA's kernels do: stock bf16 bmm of these shapes is slow (Zen
-        # 4, scores of 1 row x 64 positions 33 us against fp32's 8; 8 rows x 1,024 2.8 ms against 0.35), so
-        # a layer's attention on upcast keys and values took 52 us instead of 109 at 1 row x 64 positions
-        # and 2.9 ms instead of 4.0 at 8 rows x 1,024. Scores, weights and their product with the values are
-        # thus never rounded to a 16-bit dtype; only the result is.
+        # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). A decode step's single
+        # query per row runs its products in fp32 on upcast keys and values, as SDPA's kernels compute: stock
+        # bf16 bmm of these shapes is slow (Zen 4, scores of 1 row x 64 positions 33 us against fp32's 8; 8
+        # rows x 1,024 2.8 ms against 0.35), and a layer's attention took 52 us instead of 109 at 1 row x 64
+        # positions, 2.9 ms instead of 4.0 at 8 rows x 1,024. A prompt's many queries run them in the cache's
+        # dtype, where native bf16 is the faster (a 512-token prompt's, all 12 layers: 47 ms in bf16 against
+        # 122 in fp32), with the softmax in fp32: their scores are rounded to 16 bits once more than SDPA's.
         keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
-        work = torch.promote_types(k_buf.dtype, torch.float32)
-        row_bytes = keys[0].numel() * work.itemsize
-        whole = work == k_buf.dtype or torch.compiler.is_compiling()  # (inductor plans its own buffers)
-        piece = b if whole else max(1, UPCAST_PIECE_BYTES // row_bytes)
-        if piece >= b:
-            return self._attend(q, keys, values, blocked, work)
-        parts = (slice(i, i + piece) for i in range(0, b, piece))
-        return torch.cat([self._attend(q[p], keys[p], values[p], blocked[p], work) for p in parts])
+        work = torch.promote_types(k_buf.dtype, torch.float32) if q.shape[2] == 1 else k_buf.dtype
+        rows = max(1, ROW_PIECE_BYTES // (keys[0].numel() * work.itemsize))
+        if work == k_buf.dtype or rows >= b or torch.compiler.is_compiling():  # (inductor plans its buffers)
+            return self._attend(q, keys.to(work), values.to(work), blocked, v_buf.dtype)
+        pieces = (slice(r, r + rows) for r in range(0, b, rows))
+        return torch.cat([self._attend(q[p], keys[p].to(work), values[p].to(work), blocked[p], v_buf.dtype)
+                          for p in pieces])  # fmt: skip
 
     def _attend(
         self,
@@ -217,10 +216,13 @@ class CausalAttention(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
         blocked: torch.Tensor,
-        work: torch.dtype,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """Softmax attention of q over keys and values with ``blocked`` masked, computed in ``work``."""
-        q = q.to(work) * (1.0 / math.sqrt(self.head_dim))
-        scores = q @ keys.to(work).transpose(-2, -1)  # (B, nh, T, span)
+        """Softmax attention of q over keys and values with ``blocked`` masked: the products in the keys'
+        dtype (from a query scaled first, so fp16 scores do not overflow where unscaled ones would), the
+        softmax in at least fp32; (B, nh, T, hs) in ``dtype``."""
+        q = q.to(keys.dtype) * (1.0 / math.sqrt(self.head_dim))
+        scores = q @ keys.transpose(-2, -1)  # (B, nh, T, span)
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)
-        return (weights @ values.to(work)).to(values.dtype)  # (B, nh, T, hs)
+        return (weights.to(values.dtype) @ values).to(dtype)  # (B, nh, T, hs)

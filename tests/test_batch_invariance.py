@@ -111,12 +111,12 @@ def test_a_request_alone_equals_it_in_a_wider_engine_bitwise(dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
 def test_16_bit_attention_upcast_a_piece_of_rows_at_a_time_changes_no_bit(dtype, monkeypatch):
-    # Wide eager steps over long spans upcast keys and values in pieces of rows (model/attention.py). With
-    # pieces of one row, the 3-slot engine's steps take three: every logit the same as in one piece.
+    # Wide eager steps over long spans upcast keys and values in pieces of rows. With pieces of one row, the
+    # 3-slot engine's steps take three: every logit the same as in one piece.
     model = model_in(dtype)
     whole = requests()
     seen_whole = run_and_record(engine(model, 3), whole)
-    monkeypatch.setattr(attention, "UPCAST_PIECE_BYTES", 1)
+    monkeypatch.setattr(attention, "ROW_PIECE_BYTES", 1)
     piece_rows = []
     attend = CausalAttention._attend
 
