@@ -203,12 +203,13 @@ class CausalAttention(nn.Module):
         # 122 in fp32), with the softmax in fp32: their scores are rounded to 16 bits once more than SDPA's.
         keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
         work = torch.promote_types(k_buf.dtype, torch.float32) if q.shape[2] == 1 else k_buf.dtype
-        rows = max(1, ROW_PIECE_BYTES // (keys[0].numel() * work.itemsize))
-        if work == k_buf.dtype or rows >= b or torch.compiler.is_compiling():  # (inductor plans its buffers)
-            return self._attend(q, keys.to(work), values.to(work), blocked, v_buf.dtype)
-        pieces = (slice(r, r + rows) for r in range(0, b, rows))
-        return torch.cat([self._attend(q[p], keys[p].to(work), values[p].to(work), blocked[p], v_buf.dtype)
-                          for p in pieces])  # fmt: skip
+        if work != k_buf.dtype and not torch.compiler.is_compiling():  # (compiled: inductor plans buffers)
+            rows = max(1, ROW_PIECE_BYTES // (keys[0].numel() * work.itemsize))
+            if rows < b:
+                pieces = (slice(r, r + rows) for r in range(0, b, rows))
+                return torch.cat([self._attend(q[p], keys[p].to(work), values[p].to(work), blocked[p],
+                                               v_buf.dtype) for p in pieces])  # fmt: skip
+        return self._attend(q, keys.to(work), values.to(work), blocked, v_buf.dtype)
 
     def _attend(
         self,
