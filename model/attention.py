@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,7 @@ class CausalAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
-        blocked: torch.Tensor | None = None,
+        shared: Shared | None = None,
     ) -> torch.Tensor:
         """Attend each new position to itself and every earlier one.
 
@@ -139,8 +140,8 @@ class CausalAttention(nn.Module):
                 own slot alone, with a span of its length, exactly as that prompt alone would (the same
                 shapes); positions past the last segment are padding and attend to nothing (their output
                 is zeros). The projections run once over all positions.
-            blocked: with ``kv`` and no ``segments``, :meth:`blocked_keys` of ``positions`` and ``span``, made
-                once for every layer by the caller (default: made here).
+            shared: with ``kv`` and no ``segments``, :meth:`shared` of ``positions``, ``span`` and the cache's
+                dtype, made once for every layer by the caller (default: made here).
 
         Returns:
             Tensor of shape (B, T, d_out).
@@ -155,7 +156,7 @@ class CausalAttention(nn.Module):
         if positions is None:
             raise ValueError("attention over a KV cache needs the positions of the new tokens")
         if segments is None:
-            y = self._cached(q, k, v, positions, kv, span, blocked)
+            y = self._cached(q, k, v, positions, kv, span, shared)
         else:
             y = torch.zeros_like(q)  # padding positions stay 0
             start = 0
@@ -168,10 +169,18 @@ class CausalAttention(nn.Module):
                 start += length
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.d_out))
 
-    @staticmethod
-    def blocked_keys(positions: torch.Tensor, span: int) -> torch.Tensor:
-        """The mask of a cached call: (B, 1, T, span), True where a key's position is past the query's."""
-        return torch.arange(span, device=positions.device) > positions[:, None, :, None]
+    def shared(self, positions: torch.Tensor, span: int, dtype: torch.dtype) -> Shared:
+        """What every layer of one cached call over ``span`` positions of a ``dtype`` cache shares, made once
+        by the caller (see :class:`Shared`)."""
+        b, t = positions.shape
+        rows = torch.arange(b, device=positions.device)[:, None]
+        blocked = torch.arange(span, device=positions.device) > positions[:, None, :, None]
+        bias = None
+        if t == 1:  # a decode step's additive mask in its working dtype, one row per head (for baddbmm)
+            work = torch.promote_types(dtype, torch.float32)
+            bias = torch.zeros(b, self.num_heads, 1, span, dtype=work, device=positions.device)
+            bias.masked_fill_(blocked, float("-inf"))
+        return Shared(rows, blocked, bias)
 
     def _cached(
         self,
@@ -181,18 +190,20 @@ class CausalAttention(nn.Module):
         positions: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
         span: int | None,
-        blocked: torch.Tensor | None = None,
+        shared: Shared | None = None,
     ) -> torch.Tensor:
         """Write k and v at their rows' positions, attend q over the cache: (B, nh, T, hs)."""
-        b = q.shape[0]
         k_buf, v_buf = kv
-        rows = torch.arange(b, device=q.device)[:, None]  # (B, 1): each row writes only its own cache
-        # k_buf[rows, :, positions] is (B, T, nh, hs): the advanced indices come first.
-        k_buf[rows, :, positions] = k.transpose(1, 2)
-        v_buf[rows, :, positions] = v.transpose(1, 2)
         span = k_buf.shape[2] if span is None else span
-        if blocked is None:
-            blocked = self.blocked_keys(positions, span)
+        if shared is None:
+            shared = self.shared(positions, span, k_buf.dtype)
+        # k_buf[rows, :, positions] is (B, T, nh, hs): the advanced indices come first. (A scatter_ of the
+        # same writes copied the whole non-contiguous span in and out: 1.7 ms at 8 rows x 1,024 positions.)
+        k_buf[shared.rows, :, positions] = k.transpose(1, 2)
+        v_buf[shared.rows, :, positions] = v.transpose(1, 2)
+        keys, values = k_buf.narrow(2, 0, span), v_buf.narrow(2, 0, span)
+        if shared.bias is None:
+            return self._attend(q, keys, values, shared.blocked, v_buf.dtype)
         # Written out rather than SDPA: for a few queries over many keys, CPU SDPA's bf16 kernel took 5-6x
         # as long (GPT-2 124M, 8 rows x 256 positions: 1.45 ms a layer against 0.25). A decode step's single
         # query per row runs its products in fp32 on upcast keys and values, as SDPA's kernels compute: stock
@@ -201,15 +212,17 @@ class CausalAttention(nn.Module):
         # positions, 2.9 ms instead of 4.0 at 8 rows x 1,024. A prompt's many queries run them in the cache's
         # dtype, where native bf16 is the faster (a 512-token prompt's, all 12 layers: 47 ms in bf16 against
         # 122 in fp32), with the softmax in fp32: their scores are rounded to 16 bits once more than SDPA's.
-        keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
-        work = torch.promote_types(k_buf.dtype, torch.float32) if q.shape[2] == 1 else k_buf.dtype
-        if work != k_buf.dtype and not torch.compiler.is_compiling():  # (compiled: inductor plans buffers)
-            rows = max(1, ROW_PIECE_BYTES // (keys[0].numel() * work.itemsize))
+        work = shared.bias.dtype
+        if torch.compiler.is_compiling():  # the mask as masked_fill, which inductor fuses with the softmax
+            # (a compiled int8 step at batch 1 took 4% longer with the baddbmm of the eager step)
+            return self._attend(q, keys.to(work), values.to(work), shared.blocked, v_buf.dtype)
+        b = q.shape[0]
+        if work != k_buf.dtype:
+            rows = max(1, ROW_PIECE_BYTES // (math.prod(keys.shape[1:]) * work.itemsize))
             if rows < b:
                 pieces = (slice(r, r + rows) for r in range(0, b, rows))
-                return torch.cat([self._attend(q[p], keys[p].to(work), values[p].to(work), blocked[p],
-                                               v_buf.dtype) for p in pieces])  # fmt: skip
-        return self._attend(q, keys.to(work), values.to(work), blocked, v_buf.dtype)
+                return torch.cat([self._attend_one(q[p], keys[p], values[p], shared.bias[p]) for p in pieces])
+        return self._attend_one(q, keys, values, shared.bias)
 
     def _attend(
         self,
@@ -227,3 +240,38 @@ class CausalAttention(nn.Module):
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)
         return (weights.to(values.dtype) @ values).to(dtype)  # (B, nh, T, hs)
+
+    def _attend_one(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode step's attention (one query per row) in ``bias``'s dtype: scores ``q . k / sqrt(hs) +
+        bias`` in one ``baddbmm`` per row and head, the softmax, the weighted values; (B, nh, 1, hs) in the
+        keys' dtype. Three-dimensional products over (rows x heads) keep the step's operator count low: an
+        eager step at batch 1 is bound by per-operator overhead as much as by its kernels."""
+        b, nh, t, hs = q.shape
+        work = bias.dtype
+        scores = torch.baddbmm(
+            bias.view(b * nh, t, -1),
+            q.to(work).reshape(b * nh, t, hs),
+            keys.to(work).reshape(b * nh, -1, hs).transpose(1, 2),
+            alpha=1.0 / math.sqrt(hs),
+        )  # (B * nh, 1, span); a blocked key's -inf bias gives it a weight of exactly 0
+        weights = torch.softmax(scores, dim=-1)
+        out = torch.bmm(weights, values.to(work).reshape(b * nh, -1, hs))
+        return out.view(b, nh, t, hs).to(keys.dtype)
+
+
+class Shared(NamedTuple):
+    """What every layer of one cached call shares (the same positions and span), made once by
+    :meth:`CausalAttention.shared`.
+
+    Attributes:
+        rows: (B, 1) each row's index, so that a row writes its keys and values only in its own cache.
+        blocked: (B, 1, T, span) True where a key's position is past the query's.
+        bias: for a decode step (T = 1), ``blocked`` as an additive mask (0 or ``-inf``) of shape (B, nh, 1,
+            span) in the step's working dtype (at least fp32); None for a longer call.
+    """
+
+    rows: torch.Tensor
+    blocked: torch.Tensor
+    bias: torch.Tensor | None

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from model.attention import CausalAttention
+from model.attention import CausalAttention, Shared
 from model.cache import KVCache
 from model.config import GPTConfig
 from model.embedding import TiedEmbedding
@@ -63,9 +63,9 @@ class Block(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
         segments: Sequence[tuple[int, int]] | None = None,
-        blocked: torch.Tensor | None = None,
+        shared: Shared | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments, blocked=blocked)
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments, shared=shared)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -176,9 +176,9 @@ class GPT(nn.Module):
         else:
             span = self._check_cached(input_ids, positions, cache, slot, span)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-            blocked = CausalAttention.blocked_keys(positions, span)  # the same for every layer: made once
+            shared = self.h[0].attn.shared(positions, span, cache.k[0].dtype)  # every layer's: made once
             for i, block in enumerate(self.h):
-                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, blocked=blocked)
+                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, shared=shared)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)

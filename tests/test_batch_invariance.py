@@ -118,13 +118,13 @@ def test_16_bit_attention_upcast_a_piece_of_rows_at_a_time_changes_no_bit(dtype,
     seen_whole = run_and_record(engine(model, 3), whole)
     monkeypatch.setattr(attention, "ROW_PIECE_BYTES", 1)
     piece_rows = []
-    attend = CausalAttention._attend
+    attend = CausalAttention._attend_one
 
     def spy(self, q, *args):
         piece_rows.append(q.shape[0])
         return attend(self, q, *args)
 
-    monkeypatch.setattr(CausalAttention, "_attend", spy)
+    monkeypatch.setattr(CausalAttention, "_attend_one", spy)
     pieces = [fresh(r) for r in whole]
     seen_pieces = run_and_record(engine(model, 3), pieces)
     assert set(piece_rows) == {1} and len(piece_rows) > 3 * CONFIG.n_layer * len(whole)
