@@ -134,7 +134,8 @@ class CausalAttention(nn.Module):
                 a query at position ``p`` sees the keys at positions ``<= p``.
             span: how many cache positions attention reads (default ``max_len``); it must exceed every
                 position. A fixed span gives the step static shapes; what lies past a row's own positions
-                is masked and must be finite (a weight of 0 times NaN is NaN).
+                is masked and must be finite (a NaN key still makes a NaN score, and a NaN value times a
+                weight of 0 is NaN; :meth:`model.KVCache.clear` zeroes a slot).
             segments: packed prompts (B = 1, with ``kv`` the whole cache): ``(slot, length)`` pairs, in
                 order along T, each a prompt from position 0 into its slot. Every segment attends over its
                 own slot alone, with a span of its length, exactly as that prompt alone would (the same
