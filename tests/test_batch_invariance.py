@@ -14,9 +14,9 @@ from test_prefix_consistency import run_and_record
 
 from conftest import INT4_CONFIG, TINY_CONFIGS, make_model
 from generate.engine import Engine
-from generate.kernels import onednn_available, spans_agree, step_spans_agree
+from generate.kernels import UpcastBF16, onednn_available, spans_agree, step_spans_agree
 from generate.request import Request
-from generate.runner import decode_spans
+from generate.runner import Runner, decode_spans
 from generate.sampling import SamplingParams
 from model import GPTConfig, KVCache, attention
 from model.attention import CausalAttention
@@ -100,6 +100,39 @@ def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
     for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, upcast_rows=2):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
+
+
+def test_the_upcast_mode_is_entered_only_where_a_product_reaches_its_rows(monkeypatch):
+    # A TorchFunctionMode costs microseconds on every torch call, so a step or prompt whose products all have
+    # fewer rows than the upcast route's threshold runs outside it, with the same kernels and the same bits.
+    model, decoding, entered = model_in("bfloat16"), [False], []
+    enter, decode = UpcastBF16.__enter__, Runner.decode
+
+    def spy_enter(self):
+        entered.append(decoding[0])
+        return enter(self)
+
+    def spy_decode(self, *args):
+        decoding[0] = True
+        try:
+            return decode(self, *args)
+        finally:
+            decoding[0] = False
+
+    monkeypatch.setattr(UpcastBF16, "__enter__", spy_enter)
+    monkeypatch.setattr(Runner, "decode", spy_decode)
+    outside = requests()
+    seen_outside = run_and_record(engine(model, 3, upcast_rows=4), outside)  # 3-row steps, prompts of 1..30
+    assert entered and not any(entered)  # only prompts reaching 4 rows entered it, never a step
+    entered.clear()
+    monkeypatch.setattr(Runner, "_eager_routes", lambda self, decode, rows=None: UpcastBF16(4))
+    inside = [fresh(r) for r in outside]
+    seen_inside = run_and_record(engine(model, 3, upcast_rows=4), inside)
+    assert any(entered) and not all(entered)  # steps and prompts alike inside the mode
+    for r, again in zip(outside, inside, strict=True):
+        assert again.token_ids == r.token_ids and again.logprobs_list == r.logprobs_list
+        logits, logits_again = seen_outside[id(r)], seen_inside[id(again)]
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_again, strict=True))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8", "int8-body", "int4", "int4-body"])
