@@ -32,6 +32,7 @@ import torch
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
+    onednn_copy,
     onednn_pays,
     rows_independent,
     spans_agree,
@@ -91,7 +92,7 @@ class Runner:
             where the step takes a span: :func:`generate.kernels.step_spans_agree`), else the cache's
             length alone.
         onednn: whether the eager decode step runs its fp32 products in oneDNN
-            (:class:`generate.kernels.OneDNNLinear`): where the products alone are faster there
+            (:func:`generate.kernels.onednn_copy`): where the products alone are faster there
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
         upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
@@ -104,6 +105,7 @@ class Runner:
         self._decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
+        self._onednn_model: GPT | None = None
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
@@ -163,9 +165,18 @@ class Runner:
         if self.upcast_rows is not None:
             applies = rows is None or rows >= self.upcast_rows
             return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
-        return (
-            OneDNNLinear() if (self.onednn if decode else self.onednn_prefill) else contextlib.nullcontext()
-        )
+        if decode:  # (its oneDNN route is a copy of the model's modules, _decode_model: no mode)
+            return contextlib.nullcontext()
+        return OneDNNLinear() if self.onednn_prefill else contextlib.nullcontext()
+
+    def _decode_model(self) -> GPT:
+        """The model the eager decode step calls: with :attr:`onednn`, a copy of its modules sharing its
+        tensors whose fp32 products run in oneDNN (:func:`generate.kernels.onednn_copy`), made once."""
+        if not self.onednn:
+            return self.model
+        if self._onednn_model is None:
+            self._onednn_model = onednn_copy(self.model)
+        return self._onednn_model
 
     @property
     def packs(self) -> bool:
@@ -238,5 +249,6 @@ class Runner:
             span = next(s for s in self.spans if s > int(positions.max()))  # (the last holds every position)
             if self._decode is not None:
                 return self._decode(tokens, rows, span)
+            model = self._decode_model()
             with self._eager_routes(decode=True, rows=self.cache.slots):
-                return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
+                return model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]

@@ -6,7 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_CONFIGS, make_model
-from generate.kernels import OneDNNLinear, UpcastBF16, onednn_available, onednn_pays, upcast_min_rows
+from generate.kernels import (
+    OneDNNLinear,
+    UpcastBF16,
+    onednn_available,
+    onednn_copy,
+    onednn_pays,
+    upcast_min_rows,
+)
+from model import KVCache
+from model.embedding import TiedEmbedding
 from model.quant import quantize_int8
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
@@ -46,6 +55,31 @@ def test_a_model_forward_under_the_mode_matches_the_reference():
         with OneDNNLinear():
             got = model(ids)
     assert (got - want).abs().max().item() <= 1e-5
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_onednn_copy_computes_what_the_mode_does_bitwise_and_shares_the_weights(dtype):
+    # The eager decode step's oneDNN route is a copy of the model's modules (no mode on every torch call):
+    # a cached forward through it gives the mode's bits; it leaves bf16 products to F.linear and the model
+    # itself as it was.
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(dtype)
+    routed = onednn_copy(model)
+    assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
+    assert type(model.h[0].mlp.c_fc) is torch.nn.Linear and type(model.wte) is TiedEmbedding
+    ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
+    with torch.inference_mode():
+        caches = [KVCache(model.config, 3, 16, dtype=dtype) for _ in range(3)]
+        for cache in caches:
+            for buffer in (*cache.k, *cache.v):  # the same earlier positions for every route
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(2)))
+        with OneDNNLinear():
+            by_mode = model(ids, positions=positions, cache=caches[0], span=16)
+        by_copy = routed(ids, positions=positions, cache=caches[1], span=16)
+        plain = model(ids, positions=positions, cache=caches[2], span=16)
+    assert torch.equal(by_copy, by_mode)
+    assert (by_copy.float() - plain.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0)
+    assert torch.equal(caches[1].k[3], caches[0].k[3])
 
 
 def test_only_fp32_cpu_models_are_measured():
