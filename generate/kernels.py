@@ -93,7 +93,7 @@ def onednn_copy(model: GPT) -> GPT:
     """A copy of the model's modules that shares every parameter and buffer (no weight is copied), whose
     fp32 CPU linear products, the tied head's included, run in oneDNN's inner product: the products
     :class:`OneDNNLinear` routes, on the same kernel, without a mode's cost on every torch call (a
-    pass-through mode made an eager GPT-2 124M decode step at batch 1 2.4 ms longer, on a 2-core Zen 4).
+    pass-through mode made an eager GPT-2 124M int8 decode step at batch 1 2.4 ms longer, on a 2-core Zen 4).
     The eager decode step uses it; the model itself is left as it is."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)

@@ -142,9 +142,10 @@ class Runner:
             )
 
     def _steps_faster_with_onednn(self) -> bool:
-        """Time whole eager decode steps both ways (best of 3 each, alternated): the route's mode costs
-        some microseconds on every torch call, which a product's own timing does not show (on the shipped
-        19M model, about 2.7 ms a step)."""
+        """Time whole eager decode steps both ways (best of 3 each, alternated), the oneDNN way through
+        :func:`generate.kernels.onednn_copy`: a step's cost beyond its products (the copy's Python
+        ``forward`` methods; a mode, as this route once was, cost about 2.7 ms a step on the shipped 19M
+        model) does not show in a product's own timing. A copy made for a losing route is dropped."""
         tokens = torch.zeros(self.cache.slots, dtype=torch.long)
         best = {False: float("inf"), True: float("inf")}
         for _ in range(3):
@@ -155,7 +156,10 @@ class Runner:
                     tokens, tokens
                 )  # writes position 0 of every slot; a slot is cleared as a request joins
                 best[onednn] = min(best[onednn], time.perf_counter() - start)
-        return best[True] < 0.97 * best[False]
+        if best[True] < 0.97 * best[False]:
+            return True
+        self._onednn_model = None
+        return False
 
     def _eager_routes(self, decode: bool, rows: int | None = None) -> contextlib.AbstractContextManager:
         """The eager kernel routes of a decode step or a prefill whose products have at most ``rows`` rows
@@ -171,7 +175,8 @@ class Runner:
 
     def _decode_model(self) -> GPT:
         """The model the eager decode step calls: with :attr:`onednn`, a copy of its modules sharing its
-        tensors whose fp32 products run in oneDNN (:func:`generate.kernels.onednn_copy`), made once."""
+        tensors whose fp32 products run in oneDNN (:func:`generate.kernels.onednn_copy`), taken at its
+        first use (modules swapped in the model after that are not seen by the eager step)."""
         if not self.onednn:
             return self.model
         if self._onednn_model is None:

@@ -246,9 +246,9 @@ class CausalAttention(nn.Module):
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
     ) -> torch.Tensor:
         """A decode step's attention (one query per row) in ``bias``'s dtype: scores ``q . k / sqrt(hs) +
-        bias`` in one ``baddbmm`` per row and head, the softmax, the weighted values; (B, nh, 1, hs) in the
-        keys' dtype. Three-dimensional products over (rows x heads) keep the step's operator count low: an
-        eager step at batch 1 is bound by per-operator overhead as much as by its kernels."""
+        bias`` in one ``baddbmm`` batched over rows x heads, the softmax, the weighted values; (B, nh, 1,
+        hs) in the keys' dtype. Three-dimensional products keep the step's operator count low: an eager
+        step at batch 1 is bound by per-operator overhead as much as by its kernels."""
         b, nh, t, hs = q.shape
         work = bias.dtype
         scores = torch.baddbmm(
@@ -270,7 +270,9 @@ class Shared(NamedTuple):
         rows: (B, 1) each row's index, so that a row writes its keys and values only in its own cache.
         blocked: (B, 1, T, span) True where a key's position is past the query's.
         bias: for a decode step (T = 1), ``blocked`` as an additive mask (0 or ``-inf``) of shape (B, nh, 1,
-            span) in the step's working dtype (at least fp32); None for a longer call.
+            span) in the step's working dtype (at least fp32); None for a longer call. The eager step adds
+            it (so a non-finite key past a row's position would reach the row: the engine keeps them
+            zero); a compiled step and a prompt mask with ``masked_fill`` on ``blocked``.
     """
 
     rows: torch.Tensor

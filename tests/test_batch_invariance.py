@@ -102,9 +102,11 @@ def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-def test_the_upcast_mode_is_entered_only_where_a_product_reaches_its_rows(monkeypatch):
+@pytest.mark.parametrize("packs", [True, False], ids=["packed", "alone"])
+def test_the_upcast_mode_is_entered_only_where_a_product_reaches_its_rows(monkeypatch, packs):
     # A TorchFunctionMode costs microseconds on every torch call, so a step or prompt whose products all have
     # fewer rows than the upcast route's threshold runs outside it, with the same kernels and the same bits.
+    monkeypatch.setattr(Runner, "packs", property(lambda self: packs))  # prompts in packed passes, or alone
     model, decoding, entered = model_in("bfloat16"), [False], []
     enter, decode = UpcastBF16.__enter__, Runner.decode
 
@@ -123,7 +125,11 @@ def test_the_upcast_mode_is_entered_only_where_a_product_reaches_its_rows(monkey
     monkeypatch.setattr(Runner, "decode", spy_decode)
     outside = requests()
     seen_outside = run_and_record(engine(model, 3, upcast_rows=4), outside)  # 3-row steps, prompts of 1..30
-    assert entered and not any(entered)  # only prompts reaching 4 rows entered it, never a step
+    assert not any(entered)  # never for a step
+    if not packs:  # only the 4 prompts of at least 4 tokens (25, 14, 9 and 30), not those of 3 and 1
+        assert len(entered) == sum(len(r.prompt) >= 4 for r in outside) == 4
+    else:  # every packed pass has at least 16 rows
+        assert entered
     entered.clear()
     monkeypatch.setattr(Runner, "_eager_routes", lambda self, decode, rows=None: UpcastBF16(4))
     inside = [fresh(r) for r in outside]
@@ -317,8 +323,8 @@ def test_the_span_check_finds_attention_that_depends_on_its_span(monkeypatch):
     model = long_window_model("float32")
     cached = CausalAttention._cached
 
-    def span_dependent(self, q, k, v, positions, kv, span, blocked=None):
-        return cached(self, q, k, v, positions, kv, span, blocked) + (span == 192) * 1e-7
+    def span_dependent(self, q, k, v, positions, kv, span, shared=None):
+        return cached(self, q, k, v, positions, kv, span, shared) + (span == 192) * 1e-7
 
     monkeypatch.setattr(CausalAttention, "_cached", span_dependent)
     assert not spans_agree(model, 2, decode_spans(256))

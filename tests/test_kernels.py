@@ -9,6 +9,8 @@ from conftest import TINY_CONFIGS, make_model
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
+    _OneDNNLinearModule,
+    _OneDNNTiedEmbedding,
     onednn_available,
     onednn_copy,
     onednn_pays,
@@ -65,6 +67,7 @@ def test_the_onednn_copy_computes_what_the_mode_does_bitwise_and_shares_the_weig
     # itself as it was.
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(dtype)
     routed = onednn_copy(model)
+    assert type(routed.h[0].mlp.c_fc) is _OneDNNLinearModule and type(routed.wte) is _OneDNNTiedEmbedding
     assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
     assert type(model.h[0].mlp.c_fc) is torch.nn.Linear and type(model.wte) is TiedEmbedding
     ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
