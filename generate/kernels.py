@@ -58,6 +58,11 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the oneDNN route takes this product: fp32 on the CPU, a plain matrix weight."""
+    return x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
+
+
 class OneDNNLinear(TorchFunctionMode):
     """Within this mode, fp32 CPU ``F.linear`` calls run in oneDNN's inner product; others are unchanged."""
 
@@ -65,7 +70,7 @@ class OneDNNLinear(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2:
+            if _onednn_takes(x, weight):
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 return _onednn_linear(x, weight, bias)
         return func(*args, **kwargs)
@@ -75,7 +80,7 @@ class _OneDNNLinearModule(nn.Linear):
     """An ``nn.Linear`` whose fp32 CPU products run in oneDNN's inner product (others as ``F.linear``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu":
+        if _onednn_takes(x, self.weight):
             return _onednn_linear(x, self.weight, self.bias)
         return super().forward(x)
 
@@ -84,7 +89,7 @@ class _OneDNNTiedEmbedding(TiedEmbedding):
     """A :class:`TiedEmbedding` whose fp32 CPU head product runs in oneDNN's inner product."""
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu":
+        if _onednn_takes(x, self.weight):
             return _onednn_linear(x, self.weight)
         return super().project(x)
 
