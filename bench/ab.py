@@ -43,6 +43,8 @@ def _args() -> argparse.Namespace:
         p.error(f"--base {args.base}: not a gptgen checkout (no generate/ folder there)")
     if args.pairs < 2 or args.tokens < 2:
         p.error(f"--pairs ({args.pairs}) and --tokens ({args.tokens}) must be at least 2")
+    if not all(b.isdigit() and int(b) > 0 for b in args.batches.split(",")):
+        p.error(f"--batches {args.batches}: give positive prompt counts, e.g. 1,8")
     return args
 
 
@@ -85,7 +87,10 @@ class Side:
     def rate(self) -> float:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise SystemExit(f"a worker stopped (exit code {self.proc.wait()}); see above")
+        return float(answer)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -120,7 +125,6 @@ def main() -> None:
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT))
     from bench import cpu_description  # bench/bench.py, beside this script
 
     print(f"torch {torch.__version__}, torch threads {torch.get_num_threads()}; {cpu_description()}")
