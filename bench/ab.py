@@ -22,7 +22,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -123,18 +122,12 @@ def main() -> None:
         _worker(args.base, directory, dtype, int(batch), int(tokens))
         return
     import torch
-    import transformers
 
-    from bench import cpu_description  # bench/bench.py, beside this script
+    from bench import checkpoint_dir, cpu_description  # bench/bench.py, beside this script
 
     print(f"torch {torch.__version__}, torch threads {torch.get_num_threads()}; {cpu_description()}")
     print(f"this: {ROOT}; base: {Path(args.base).resolve()}; eager, {args.tokens} greedy tokens a run")
-    with tempfile.TemporaryDirectory() as directory:
-        if args.model:
-            directory = args.model
-        else:
-            torch.manual_seed(0)
-            transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+    with checkpoint_dir(args.model) as directory:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
                 compare(Path(args.base).resolve(), directory, dtype, batch, args)

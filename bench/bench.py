@@ -12,6 +12,7 @@ Before timing it checks that both produce identical greedy tokens in fp32.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,6 +227,22 @@ def cpu_description() -> str:
     vector = ", ".join(sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})) or "no AVX flags"
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return f"cpu: {name or platform.processor() or 'unknown'}; {vector} (bf16 native: {native})"
+
+
+@contextlib.contextmanager
+def checkpoint_dir(model: str | None) -> Iterator[str]:
+    """``model`` itself, or for None a temporary directory (removed afterwards) holding GPT-2 124M geometry
+    with seeded random weights, saved by ``transformers``: the benchmarks' default model."""
+    if model:
+        yield model
+        return
+    import torch
+    import transformers
+
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+        yield directory
 
 
 def read_bandwidth() -> float:
@@ -447,12 +465,7 @@ def main(argv: list[str] | None = None) -> None:
     print(cpu_description(), flush=True)
     if args.group_size is not None:
         print(f"int4 group size {args.group_size}", flush=True)
-    with tempfile.TemporaryDirectory() as directory, tempfile.TemporaryDirectory() as compile_dir:
-        if args.model:
-            directory = args.model
-        else:
-            torch.manual_seed(0)
-            transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(directory)
+    with checkpoint_dir(args.model) as directory, tempfile.TemporaryDirectory() as compile_dir:
         print(f"model: {args.model or 'GPT-2 124M geometry, random weights'}", flush=True)
         for dtype in args.dtypes.split(","):
             run_dtype(directory, dtype, args, compile_dir)  # compiled steps in a fresh cache: a cold start

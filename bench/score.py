@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import generate  # noqa: E402
-from bench import cpu_description  # noqa: E402  (bench/bench.py, beside this script)
+from bench import checkpoint_dir, cpu_description  # noqa: E402  (bench/bench.py, beside this script)
 from generate.score import plan_windows  # noqa: E402
 
 
@@ -81,12 +80,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
           f"torch threads {torch.get_num_threads()}", flush=True)  # fmt: skip
     print(cpu_description(), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = args.model
-        if args.gpt2:
-            torch.manual_seed(0)
-            transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(tmp)
-            directory = tmp
+    with checkpoint_dir(None if args.gpt2 else args.model) as directory:
         gen = generate.load(directory)
         hf = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
     window = gen.model.config.n_positions

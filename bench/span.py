@@ -18,18 +18,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import checkpoints  # noqa: E402
-from bench import cpu_description  # noqa: E402  (bench/bench.py, beside this script)
+from bench import checkpoint_dir, cpu_description  # noqa: E402  (bench/bench.py, beside this script)
 from generate.engine import Engine  # noqa: E402
 from generate.request import Request  # noqa: E402
 from generate.runner import decode_spans  # noqa: E402
@@ -65,12 +63,7 @@ def main() -> None:
     args = _args()
     print(f"torch {torch.__version__}, torch threads {torch.get_num_threads()}", flush=True)
     print(cpu_description(), flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = args.model
-        if directory is None:
-            torch.manual_seed(0)
-            transformers.GPT2LMHeadModel(transformers.GPT2Config()).save_pretrained(tmp)
-            directory = tmp
+    with checkpoint_dir(args.model) as directory:
         models = {dtype: checkpoints.load(directory, dtype=dtype).eval() for dtype in args.dtypes.split(",")}
     print(f"model: {args.model or 'GPT-2 124M geometry, random weights'}; prompts of {args.prompt} tokens, "
           f"{args.new} greedy tokens, {args.rounds} rounds", flush=True)  # fmt: skip
