@@ -66,6 +66,9 @@ class Block(nn.Module):
         shared: Shared | None = None,
     ) -> torch.Tensor:
         a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments, shared=shared)
+        if not self.training:  # dropout is the identity: not calling it saves an eager decode step 24 calls
+            x = x + a
+            return x + self.mlp(self.ln_2(x))
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -174,9 +177,9 @@ class GPT(nn.Module):
                 raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
             x = self._reference(input_ids)
         else:
-            span = self._check_cached(input_ids, positions, cache, slot, span)
+            span, at = self._check_cached(input_ids, positions, cache, slot, span)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-            shared = self.h[0].attn.shared(positions, span, cache.k[0].dtype)  # every layer's: made once
+            shared = self.h[0].attn.shared(positions, span, cache.k[0].dtype, at)  # every layer's: made once
             for i, block in enumerate(self.h):
                 x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, shared=shared)
         if last_only:
@@ -276,8 +279,10 @@ class GPT(nn.Module):
         cache: KVCache,
         slot: int | None,
         span: int | None,
-    ) -> int:
-        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span."""
+    ) -> tuple[int, int | None]:
+        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span and,
+        where every row writes one token at the same position (a decode step at batch 1, say) and the
+        positions were read (outside a compiled graph), that position, else None."""
         b, t = input_ids.shape
         if positions is None or tuple(positions.shape) != (b, t):
             shape = None if positions is None else tuple(positions.shape)
@@ -294,15 +299,16 @@ class GPT(nn.Module):
         span = cache.max_len if span is None else span
         if not 0 < span <= cache.max_len:
             raise ValueError(f"span={span} must be in 1..{cache.max_len} (the cache's max_len)")
-        if not torch.compiler.is_compiling():
-            low, high = int(positions.min()), int(positions.max())
-            if low < 0 or high >= span:
-                raise ValueError(
-                    f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
-                    f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
-                    "larger cache or shorten the input"
-                )
-        return span
+        if torch.compiler.is_compiling():
+            return span, None
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= span:
+            raise ValueError(
+                f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
+                f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
+                "larger cache or shorten the input"
+            )
+        return span, low if low == high and t == 1 else None
 
     @property
     def compute_dtype(self) -> torch.dtype:

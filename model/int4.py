@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from model.quant import COMPUTE_DTYPE, quantize_child, quantize_model
+from model.quant import COMPUTE_DTYPE, as_rows, quantize_child, quantize_model
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -133,7 +133,7 @@ def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor, n: int):
     """``x @ W.T`` for the int4 matrix W of ``n`` real rows: (..., K) -> (..., n), bf16."""
-    rows = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+    rows = as_rows(x)
     if packed.device.type == "cuda":
         y = torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_zeros)
     else:

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from model import CausalAttention
+from conftest import TINY_CONFIGS, make_model
+from model import CausalAttention, KVCache
 
 # "Your journey starts with one step", 3-d embeddings, as in the seeds' worked example.
 INPUTS = torch.tensor(
@@ -97,6 +98,34 @@ def test_each_row_attends_only_up_to_its_own_position():
     out = attn(last, positions=torch.tensor([[2], [6]]), kv=(k_buf, v_buf))
     for row, s in enumerate(seqs):
         assert torch.allclose(out[row], attn(s)[0, -1:], atol=1e-6), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_position_for_every_row_writes_and_attends_as_indexed_writes_do(dtype):
+    # Where the caller knows every row writes at one position (an eager decode step at batch 1), the writes
+    # are copies into a view of the cache: the same cache and output bits as the indexed writes.
+    torch.manual_seed(4)
+    attn = CausalAttention(8, 8, 16, num_heads=2).eval().to(dtype)
+    q, k, v = (torch.randn(3, 2, 1, 4, dtype=dtype) for _ in range(3))
+    positions = torch.full((3, 1), 5)
+    start = torch.randn(2, 3, 2, 16, 4, dtype=dtype)
+    runs = []
+    for at in (None, 5):
+        kv = (start[0].clone(), start[1].clone())
+        out = attn._cached(q, k, v, positions, kv, 16, attn.shared(positions, 16, dtype, at))
+        runs.append((out, *kv))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert torch.equal(runs[0][1][:, :, 5:6], k) and not torch.equal(runs[0][1], start[0])
+
+
+def test_a_cached_call_names_its_one_position_only_where_there_is_one():
+    model = make_model(TINY_CONFIGS["2x2x32"])
+    cache = KVCache(model.config, 2, 16)
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    assert model._check_cached(ids, torch.tensor([[3], [3]]), cache, None, None) == (16, 3)
+    assert model._check_cached(ids, torch.tensor([[3], [4]]), cache, None, None) == (16, None)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    assert model._check_cached(ids, torch.tensor([[3, 4]]), cache, 0, 8) == (8, None)
 
 
 def test_dropout_only_in_training():
