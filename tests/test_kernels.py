@@ -123,6 +123,21 @@ def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):
     assert upcast_min_rows(make_model(TINY_CONFIGS["5x3x48"], seed=1), candidates=(1, 8)) is None  # fp32
 
 
+@pytest.mark.parametrize(
+    ("answers", "kept"), [((None, 8, 16), 16), ((8, None, 8), 8), ((None, 4, None), None), ((2, 2, 32), 2)]
+)
+def test_the_upcast_row_count_is_the_median_of_three_measurements(monkeypatch, answers, kept):
+    # One measurement near a break-even can say None (never upcast), which would be kept for good.
+    import generate.kernels as kernels
+
+    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
+    script = iter(answers)
+    monkeypatch.setattr(kernels, "_upcast_rows_once", lambda layers, candidates: next(script))
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
+    assert upcast_min_rows(model) == kept
+    assert next(script, "all used") == "all used"
+
+
 @needs_onednn
 def test_the_mode_routes_a_model_forward_through_onednn(monkeypatch):
     # On tiny shapes oneDNN and F.linear can agree bitwise, so equal outputs alone would not show the route.
