@@ -96,8 +96,10 @@ class Runner:
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
         upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
-            eager decode step), or None; measured on CPUs without native bf16
+            eager decode step where :attr:`upcast_decode`), or None; measured on CPUs without native bf16
             (:func:`generate.kernels.upcast_min_rows`).
+        upcast_decode: whether the eager decode step takes that route: where its rows reach
+            :attr:`upcast_rows`, whole steps are timed both ways when the runner is made.
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
@@ -105,6 +107,7 @@ class Runner:
         self._decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
+        self.upcast_decode = False
         self._onednn_model: GPT | None = None
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
@@ -138,28 +141,35 @@ class Runner:
             self.onednn = recorded(
                 "onednn-decode",
                 shape,
-                lambda: onednn_pays(model, cache.slots) and self._steps_faster_with_onednn(),
+                lambda: onednn_pays(model, cache.slots) and self._steps_faster_with("onednn"),
+            )
+            self.upcast_decode = (
+                self.upcast_rows is not None
+                and cache.slots >= self.upcast_rows
+                and recorded("upcast-decode", shape, lambda: self._steps_faster_with("upcast_decode"))
             )
 
-    def _steps_faster_with_onednn(self) -> bool:
-        """Time whole eager decode steps both ways (best of 3 each, alternated), the oneDNN way through
-        :func:`generate.kernels.onednn_copy`: a step's cost beyond its products (the copy's Python
-        ``forward`` methods; a mode, as this route once was, cost about 2.7 ms a step on the shipped 19M
-        model) does not show in a product's own timing. A copy made for a losing route is dropped."""
+    def _steps_faster_with(self, route: str) -> bool:
+        """Time whole eager decode steps with the boolean attribute ``route`` off and on (best of 3 each,
+        alternated); leave it off unless on was at least 3% faster. A step's cost beyond its products does
+        not show in a product's own timing: for :attr:`onednn`, the copy's Python ``forward`` methods (a mode,
+        as this route once was, cost about 2.7 ms a step on the shipped 19M model); for
+        :attr:`upcast_decode`, the rest of the step, which the upcast pieces evict from cache (GPT-2 124M
+        at 8 rows, AVX2 and bf16 emulated on a Zen 4: 70.7 ms a step upcast against 59.8 plain, while
+        the MLP products alone measured faster upcast). A oneDNN copy made for a losing route is dropped."""
         tokens = torch.zeros(self.cache.slots, dtype=torch.long)
         best = {False: float("inf"), True: float("inf")}
         for _ in range(3):
-            for onednn in best:
-                self.onednn = onednn
+            for on in best:
+                setattr(self, route, on)
                 start = time.perf_counter()
-                self.decode(
-                    tokens, tokens
-                )  # writes position 0 of every slot; a slot is cleared as a request joins
-                best[onednn] = min(best[onednn], time.perf_counter() - start)
-        if best[True] < 0.97 * best[False]:
-            return True
-        self._onednn_model = None
-        return False
+                self.decode(tokens, tokens)  # writes position 0 of every slot (cleared as a request joins)
+                best[on] = min(best[on], time.perf_counter() - start)
+        faster = best[True] < 0.97 * best[False]
+        setattr(self, route, faster)
+        if not self.onednn:
+            self._onednn_model = None
+        return faster
 
     def _eager_routes(self, decode: bool, rows: int | None = None) -> contextlib.AbstractContextManager:
         """The eager kernel routes of a decode step or a prefill whose products have at most ``rows`` rows
@@ -167,7 +177,7 @@ class Runner:
         costs microseconds on every torch call (on an emulated-bf16 CPU, a GPT-2 124M batch-1 step took
         1.2x as long inside a mode that never applied), and without it the same kernels run."""
         if self.upcast_rows is not None:
-            applies = rows is None or rows >= self.upcast_rows
+            applies = (rows is None or rows >= self.upcast_rows) and (self.upcast_decode or not decode)
             return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
         if decode:  # (its oneDNN route is a copy of the model's modules, _decode_model: no mode)
             return contextlib.nullcontext()

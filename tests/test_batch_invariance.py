@@ -57,7 +57,7 @@ def fresh(r: Request) -> Request:
 
 
 def engine(model, slots: int, compile: bool = False, **routes) -> Engine:
-    """An engine; ``routes`` force eager kernel routes on its runner (``onednn=``, ``upcast_rows=``), else
+    """An engine; ``routes`` force eager kernel routes on its runner (``onednn=``, ``upcast_rows=``...), else
     they are what was measured here."""
     made = Engine(model, slots=slots, compile=compile)
     for name, value in routes.items():
@@ -97,7 +97,8 @@ def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
 
 def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
     # Products of 2 rows or more in fp32 on upcast weights (generate/kernels.py): prefills and 3-row steps.
-    for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, upcast_rows=2):
+    routes = {"upcast_rows": 2, "upcast_decode": True}
+    for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, **routes):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 

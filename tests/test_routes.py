@@ -99,6 +99,44 @@ def test_a_second_runner_takes_the_kept_routes_without_measuring(cache_dir, monk
     assert [a[1:] for a in measured] == [(3,)], [a[1:] for a in measured]
 
 
+def test_decode_steps_take_the_upcast_route_only_where_whole_steps_were_faster(cache_dir, monkeypatch):
+    # The route's row count comes from products alone; a decode step reaching it is timed whole, both ways.
+    model = make_model(CONFIG, seed=2).to(torch.bfloat16)
+    monkeypatch.setattr(generate.runner, "upcast_min_rows", lambda model: 2)
+    timed = []
+
+    def steps_faster(self, route):
+        timed.append((route, self.cache.slots))
+        return self.cache.slots == 4
+
+    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    made = {n: Runner(model, KVCache(CONFIG, n, 16, dtype=torch.bfloat16)) for n in (1, 3, 4)}
+    assert {n: (r.upcast_rows, r.upcast_decode) for n, r in made.items()} == {
+        1: (2, False),
+        3: (2, False),
+        4: (2, True),
+    }
+    assert timed == [("upcast_decode", 3), ("upcast_decode", 4)]  # a 1-row step never reaches 2 rows
+    assert Runner(model, KVCache(CONFIG, 4, 16, dtype=torch.bfloat16)).upcast_decode is True
+    assert len(timed) == 2  # kept
+
+
+@pytest.mark.parametrize(("off", "on", "faster"), [(2.0, 1.0, True), (1.0, 1.0, False), (1.0, 0.98, False)])
+def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkeypatch, off, on, faster):
+    from generate.kernels import UpcastBF16
+
+    runner = Runner(
+        make_model(CONFIG, seed=2).to(torch.bfloat16), KVCache(CONFIG, 3, 16, dtype=torch.bfloat16)
+    )
+    runner.upcast_rows = 2
+    entered, enter = [], UpcastBF16.__enter__
+    monkeypatch.setattr(UpcastBF16, "__enter__", lambda self: entered.append(1) or enter(self))
+    ticks = iter([0.0, off, 10.0, 10.0 + on] * 3)  # each round: a step off, then a step on
+    monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
+    assert runner._steps_faster_with("upcast_decode") is faster
+    assert runner.upcast_decode is faster and len(entered) == 3  # the three steps timed on the route
+
+
 def test_model_facts_tell_layer_kinds_sizes_and_dtypes_apart():
     model = make_model(CONFIG)
     facts = model_facts(model)
