@@ -1,9 +1,11 @@
 """Eager kernel routes, chosen on the machine that runs them; ``model/`` itself only calls ``F.linear``.
 
-Two routes, each a :class:`~torch.overrides.TorchFunctionMode` the runner enters around eager calls,
-except the eager decode step's oneDNN route: a mode costs microseconds on every torch call, so that step
-calls :func:`onednn_copy`, a copy of the model's modules (sharing its tensors) whose linear layers call
-oneDNN themselves, and the bf16 upcast mode is entered only where a product reaches its row count.
+Prefill's routes (oneDNN for fp32 products, fp32 for bf16 products) are modes
+(:class:`~torch.overrides.TorchFunctionMode`) the runner enters around eager calls. A mode costs
+microseconds on every torch call, so the bf16 mode (which decode steps take too, where it pays) is entered
+only where a product reaches its row count, and the eager decode step's fp32 routes (oneDNN, and row blocks
+for the head) are a copy of the model's modules, sharing its tensors, whose layers call their kernels
+themselves (:func:`decode_copy`).
 
 **oneDNN for fp32 decode.** fp32 products of the eager decode step on the CPU can run in oneDNN's inner
 product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead
@@ -12,6 +14,11 @@ of ``F.linear`` (MKL). On a 2-core AMD EPYC Zen 4, one row (batch 1), GPT-2 124M
 depends on the CPU and the row count, so :func:`onednn_pays` measures it for the model at hand when an
 eager engine is made. Like MKL's, oneDNN's sums for a row depend on how many rows the product has, not on
 the other rows' values, so rows stay bitwise independent within an engine either way.
+
+**Row blocks for the fp32 head in decode.** A wide head read by a few rows runs faster as one batched
+product over a few contiguous blocks of its rows (:func:`blocked_product`): GPT-2 124M's head at 1 row
+4.8 ms against oneDNN's 5.8 on the Zen 4, and a batch-1 step 18.5 ms against 20.4. At 8 rows oneDNN wins.
+:func:`head_blocks_pays` measures it for the model and row count at hand.
 
 **fp32 for bf16 without native bf16.** On a CPU without AVX-512 bf16 or AMX, oneDNN emulates bf16 products
 and their time grows with the rows (measured before on a 2-core AMD EPYC Zen 3: GPT-2 124M's products 18 ms
@@ -95,20 +102,103 @@ class _OneDNNTiedEmbedding(TiedEmbedding):
         return super().project(x)
 
 
-def onednn_copy(model: GPT) -> GPT:
-    """A copy of the model's modules that shares every parameter and buffer (no weight is copied), whose
-    fp32 CPU linear products, the tied head's included, run in oneDNN's inner product: the products
-    :class:`OneDNNLinear` routes, on the same kernel, without a mode's cost on every torch call (a
-    pass-through mode made an eager GPT-2 124M int8 decode step at batch 1 2.4 ms longer, on a 2-core Zen 4).
-    The eager decode step uses it; the model itself is left as it is."""
+def blocked_product(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``x @ weight.T`` as one batched product over ``blocks`` blocks of the weight's rows: (..., in) ->
+    (..., out), contiguous.
+
+    Each block is its own product, so the threads stream separate stretches of the weight. For a wide
+    head read by a few rows this runs near the machine's read bandwidth where one product does not: GPT-2
+    124M's fp32 head (50,257 x 768), 1 row, 2 threads, medians: ``F.linear`` (MKL) 11.7 ms, oneDNN 5.8,
+    4 blocks 4.8 on a Zen 4, 5.8 and 5.0 with AVX2 emulated there; at 8 rows oneDNN wins (9.9 against 16).
+    The blocks are views of one shape: ``out // blocks`` rows apart, the last ending at the last row, so
+    they overlap by ``out % blocks`` rows (each output is taken from one block). Rows past whole blocks are
+    not computed apart: a product of one weight row in ``F.linear`` gave a row other bits in another
+    position among the rows, which would break batch invariance.
+    """
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    apart = out_features // blocks
+    size = out_features - (blocks - 1) * apart  # apart, plus the rows past whole blocks
+    parts = weight.as_strided((blocks, size, in_features), (apart * in_features, in_features, 1))
+    y = torch.bmm(parts, rows.t().expand(blocks, in_features, rows.shape[0]))  # (blocks, size, rows)
+    y = y.view(out_features, -1) if size == apart else torch.cat([y[:-1, :apart].flatten(0, 1), y[-1]])
+    return y.t().contiguous().view(*x.shape[:-1], out_features)
+
+
+class _BlockedTiedEmbedding(TiedEmbedding):
+    """A :class:`TiedEmbedding` whose fp32 CPU head product runs in :attr:`blocks` row blocks
+    (:func:`blocked_product`)."""
+
+    blocks: int
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if _blocks_take(x, self.weight, self.blocks):
+            return blocked_product(x, self.weight, self.blocks)
+        return super().project(x)
+
+
+def _blocks_take(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> bool:
+    """Whether :func:`blocked_product` takes this product: fp32 on the CPU, a contiguous matrix weight with
+    at least ``blocks`` rows."""
+    return _onednn_takes(x, weight) and weight.is_contiguous() and weight.shape[0] >= blocks
+
+
+def decode_copy(model: GPT, *, onednn: bool, head_blocks: int | None = None) -> GPT:
+    """A copy of the model's modules that shares every parameter and buffer (no weight is copied), for the
+    eager decode step's routes: with ``onednn``, its fp32 CPU linear products, the tied head's included, run
+    in oneDNN's inner product (the products :class:`OneDNNLinear` routes, on the same kernel, without a
+    mode's cost on every torch call: a pass-through mode made an eager GPT-2 124M int8 decode step at batch 1
+    2.4 ms longer, on a 2-core Zen 4); with ``head_blocks``, its fp32 head runs in that many row blocks
+    (:func:`blocked_product`), whichever ``onednn`` says. The model itself is left as it is."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
     for module in routed.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and onednn:
             module.__class__ = _OneDNNLinearModule
-        elif type(module) is TiedEmbedding:
+        elif type(module) is TiedEmbedding and head_blocks is not None:
+            module.__class__ = _BlockedTiedEmbedding
+            module.blocks = head_blocks
+        elif type(module) is TiedEmbedding and onednn:
             module.__class__ = _OneDNNTiedEmbedding
     return routed
+
+
+def head_blocks_pays(
+    model: GPT, rows: int, onednn: bool, candidates: tuple[int, ...] = (2, 4, 8)
+) -> int | None:
+    """How many row blocks (of ``candidates``) make this model's fp32 head fastest at ``rows`` rows, if
+    that is at least 5% faster than the head's product on the decode step's other route (oneDNN's inner
+    product with ``onednn``, else ``F.linear``) and a row gets the same bits in every position among the
+    rows (:func:`_same_in_every_position`); else None. Measured here on the head itself (best of 3 each;
+    about 0.2 s for GPT-2 124M). None unless the head is an fp32 CPU :class:`TiedEmbedding`."""
+    weight = getattr(model.wte, "weight", None)
+    if type(model.wte) is not TiedEmbedding or not isinstance(weight, torch.Tensor):
+        return None
+    x = torch.randn(rows, 1, weight.shape[1])
+    if model.device.type != "cpu" or not _blocks_take(x, weight, max(candidates)):
+        return None
+    other = _onednn_linear if onednn and onednn_available() else F.linear
+    with torch.inference_mode():
+        times = {blocks: _best_of(blocked_product, x, weight, blocks) for blocks in candidates}
+        baseline = _best_of(other, x, weight)
+        best = min(times, key=times.__getitem__)
+        if times[best] < 0.95 * baseline and _same_in_every_position(blocked_product, x, weight, best):
+            return best
+    return None
+
+
+def _same_in_every_position(product: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> bool:
+    """Whether ``product(rows, *args)`` gives the first of ``x``'s rows the same bits placed at each
+    position among other random rows (a kernel may sum a row in another order at another place: MKL did,
+    for a product of one weight row). Random values: the order depends on shapes, not values."""
+    want = product(x, *args)[0]
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    for i in range(1, len(x)):
+        others = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        others[i] = x[0]
+        if not torch.equal(product(others, *args)[i], want):
+            return False
+    return True
 
 
 # fp32 bytes of weight upcast at a time: small enough to stay in cache and be reused by the allocator.
@@ -196,7 +286,7 @@ def _upcast_rows_once(
     return None
 
 
-def _best_of(fn: Any, *args: torch.Tensor, repeat: int = 3) -> float:
+def _best_of(fn: Any, *args: Any, repeat: int = 3) -> float:
     fn(*args)
     best = float("inf")
     for _ in range(repeat):

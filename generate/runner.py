@@ -32,7 +32,8 @@ import torch
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
-    onednn_copy,
+    decode_copy,
+    head_blocks_pays,
     onednn_pays,
     rows_independent,
     spans_agree,
@@ -92,8 +93,12 @@ class Runner:
             where the step takes a span: :func:`generate.kernels.step_spans_agree`), else the cache's
             length alone.
         onednn: whether the eager decode step runs its fp32 products in oneDNN
-            (:func:`generate.kernels.onednn_copy`): where the products alone are faster there
+            (:func:`generate.kernels.decode_copy`): where the products alone are faster there
             (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
+        head_blocks: the eager decode step's fp32 head runs in this many row blocks
+            (:func:`generate.kernels.blocked_product`), or None: where the head alone is faster so
+            (:func:`generate.kernels.head_blocks_pays`), whole steps are timed both ways, as for
+            :attr:`onednn` (decided after it).
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
         upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
             eager decode step where :attr:`upcast_decode`), or None; measured on CPUs without native bf16
@@ -107,8 +112,9 @@ class Runner:
         self._decode: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
+        self.head_blocks: int | None = None
         self.upcast_decode = False
-        self._onednn_model: GPT | None = None
+        self._routed: dict[tuple[bool, int | None], GPT] = {}  # _decode_model's copies, by route
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
@@ -143,32 +149,52 @@ class Runner:
                 shape,
                 lambda: onednn_pays(model, cache.slots) and self._steps_faster_with("onednn"),
             )
+            self.head_blocks = recorded(
+                "head-blocks",
+                {**shape, "onednn": self.onednn},
+                self._measure_head_blocks,
+                lambda v: v is None or (type(v) is int and v > 0),
+            )
             self.upcast_decode = (
                 self.upcast_rows is not None
                 and cache.slots >= self.upcast_rows
                 and recorded("upcast-decode", shape, lambda: self._steps_faster_with("upcast_decode"))
             )
 
-    def _steps_faster_with(self, route: str) -> bool:
-        """Time whole eager decode steps with the boolean attribute ``route`` off and on (best of 3 each,
-        alternated); leave it off unless on was at least 3% faster. A step's cost beyond its products does
-        not show in a product's own timing: for :attr:`onednn`, the copy's Python ``forward`` methods (a mode,
-        as this route once was, cost about 2.7 ms a step on the shipped 19M model); for
-        :attr:`upcast_decode`, the rest of the step, which the upcast pieces evict from cache (GPT-2 124M
-        at 8 rows, AVX2 and bf16 emulated on a Zen 4: 70.7 ms a step upcast against 59.8 plain, while
-        the MLP products alone measured faster upcast). A oneDNN copy made for a losing route is dropped."""
+    def _measure_head_blocks(self) -> int | None:
+        """:attr:`head_blocks`: the row blocks :func:`generate.kernels.head_blocks_pays` finds fastest for
+        the head (at least 5% faster than the head's other product), if whole steps are no slower with them.
+        Whole steps are not held to a 3% gain here: the head is only part of a step, and its gain is within
+        their noise (GPT-2 124M at batch 1, AVX2 emulated on a Zen 4: steps 4-5% faster in blocks, but a
+        3% test of best-of-3 timings said so in 3 of 5 tries)."""
+        blocks = head_blocks_pays(self.model, self.cache.slots, self.onednn)
+        faster = blocks is not None and self._steps_faster_with("head_blocks", blocks, None, by=1.0)
+        return blocks if faster else None
+
+    def _steps_faster_with(
+        self, route: str, on: object = True, off: object = False, by: float = 0.97
+    ) -> bool:
+        """Time whole eager decode steps with the attribute ``route`` set to ``off`` and to ``on`` (best of 3
+        each, alternated); leave it ``off`` unless ``on`` took less than ``by`` times as long (by default,
+        at least 3% faster). A step's cost beyond its products does not show in a product's own timing: for
+        :attr:`onednn`, the copy's Python ``forward`` methods (a mode, as this route once was, cost about
+        2.7 ms a step on the shipped 19M model); for :attr:`upcast_decode`, the rest of the step, which the
+        upcast pieces evict from cache (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a Zen 4: 70.7 ms a
+        step upcast against 59.8 plain, while the MLP products alone measured faster upcast). A model copy
+        made for a losing route is dropped."""
         tokens = torch.zeros(self.cache.slots, dtype=torch.long)
-        best = {False: float("inf"), True: float("inf")}
+        best = [float("inf"), float("inf")]
         for _ in range(3):
-            for on in best:
-                setattr(self, route, on)
+            for i, value in enumerate((off, on)):
+                setattr(self, route, value)
+                self._decode_model()  # (a copy is made on the first step of a route: not timed)
                 start = time.perf_counter()
                 self.decode(tokens, tokens)  # writes position 0 of every slot (cleared as a request joins)
-                best[on] = min(best[on], time.perf_counter() - start)
-        faster = best[True] < 0.97 * best[False]
-        setattr(self, route, faster)
-        if not self.onednn:
-            self._onednn_model = None
+                best[i] = min(best[i], time.perf_counter() - start)
+        faster = best[1] < by * best[0]
+        setattr(self, route, on if faster else off)
+        key = (self.onednn, self.head_blocks)
+        self._routed = {key: self._routed[key]} if key in self._routed else {}
         return faster
 
     def _eager_routes(self, decode: bool, rows: int | None = None) -> contextlib.AbstractContextManager:
@@ -179,19 +205,21 @@ class Runner:
         if self.upcast_rows is not None:
             applies = (rows is None or rows >= self.upcast_rows) and (self.upcast_decode or not decode)
             return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
-        if decode:  # (its oneDNN route is a copy of the model's modules, _decode_model: no mode)
+        if decode:  # (its fp32 routes are a copy of the model's modules, _decode_model: no mode)
             return contextlib.nullcontext()
         return OneDNNLinear() if self.onednn_prefill else contextlib.nullcontext()
 
     def _decode_model(self) -> GPT:
-        """The model the eager decode step calls: with :attr:`onednn`, a copy of its modules sharing its
-        tensors whose fp32 products run in oneDNN (:func:`generate.kernels.onednn_copy`), taken at its
-        first use (modules swapped in the model after that are not seen by the eager step)."""
-        if not self.onednn:
+        """The model the eager decode step calls: with :attr:`onednn` or :attr:`head_blocks`, a copy of its
+        modules sharing its tensors whose fp32 products take those routes
+        (:func:`generate.kernels.decode_copy`), taken at its first use (modules swapped in the model after
+        that are not seen by the eager step)."""
+        key = (self.onednn, self.head_blocks)
+        if key == (False, None):
             return self.model
-        if self._onednn_model is None:
-            self._onednn_model = onednn_copy(self.model)
-        return self._onednn_model
+        if key not in self._routed:
+            self._routed[key] = decode_copy(self.model, onednn=self.onednn, head_blocks=self.head_blocks)
+        return self._routed[key]
 
     @property
     def packs(self) -> bool:

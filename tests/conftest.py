@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from generate.kernels import onednn_available
 from model import GPT, GPTConfig
 
 # Small but varied shapes: odd head counts, short windows, a non-default MLP width and activation.
@@ -19,6 +20,20 @@ TINY_CONFIGS = {
 # For int4 (its group sizes must divide every linear layer's input width): 64 and 256, a 97-token vocabulary
 # (a head padded to 128 rows), and TINY_CONFIGS["5x3x48"]'s vocabulary and window.
 INT4_CONFIG = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=3, n_head=2)
+
+
+# The eager decode step's fp32 routes (generate/kernels.py), forced on a runner with setattr: F.linear,
+# oneDNN where this build has it, and the head in row blocks (97- and 211-token vocabularies leave rows past
+# the last block, computed apart).
+FP32_ROUTES = [
+    pytest.param({"onednn": False, "head_blocks": None}, id="aten"),
+    pytest.param(
+        {"onednn": True, "head_blocks": None},
+        id="onednn",
+        marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"),
+    ),
+    pytest.param({"onednn": False, "head_blocks": 4}, id="head-blocks"),
+]
 
 
 def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_prefix_consistency import run_and_record
 
-from conftest import INT4_CONFIG, TINY_CONFIGS, make_model
+from conftest import FP32_ROUTES, INT4_CONFIG, TINY_CONFIGS, make_model
 from generate.engine import Engine
-from generate.kernels import UpcastBF16, onednn_available, spans_agree, step_spans_agree
+from generate.kernels import UpcastBF16, spans_agree, step_spans_agree
 from generate.request import Request
 from generate.runner import Runner, decode_spans
 from generate.sampling import SamplingParams
@@ -22,10 +22,6 @@ from model import GPTConfig, KVCache, attention
 from model.attention import CausalAttention
 from model.int4 import quantize_int4
 from model.quant import quantize_int8
-
-# The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
-ROUTES = [False, pytest.param(True, marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))]
-
 
 CONFIG = TINY_CONFIGS["5x3x48"]
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2)
@@ -88,9 +84,9 @@ def test_a_request_alone_equals_it_beside_others_in_the_same_engine_bitwise(dtyp
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
-def test_fp32_rows_are_bitwise_independent_on_either_eager_route(onednn):
-    for r, single, together, alone in alone_and_together(model_in("float32"), 3, 3, onednn=onednn):
+@pytest.mark.parametrize("routes", FP32_ROUTES)
+def test_fp32_rows_are_bitwise_independent_on_every_eager_route(routes):
+    for r, single, together, alone in alone_and_together(model_in("float32"), 3, 3, **routes):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
@@ -173,9 +169,9 @@ def test_16_bit_attention_upcast_a_piece_of_rows_at_a_time_changes_no_bit(dtype,
         assert all(torch.equal(a, b) for a, b in zip(seen_pieces[id(p)], seen_whole[id(r)], strict=True))
 
 
-@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
-def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5(onednn):
-    for r, single, together, alone in alone_and_together(model_in("float32"), 4, 1, onednn=onednn):
+@pytest.mark.parametrize("routes", FP32_ROUTES)
+def test_fp32_alone_in_a_one_slot_engine_equals_a_wider_engine_within_1e_5(routes):
+    for r, single, together, alone in alone_and_together(model_in("float32"), 4, 1, **routes):
         assert single.token_ids == r.token_ids
         assert max((a - b).abs().max().item() for a, b in zip(alone, together, strict=True)) <= 1e-5
 

@@ -9,10 +9,14 @@ from conftest import TINY_CONFIGS, make_model
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
+    _BlockedTiedEmbedding,
     _OneDNNLinearModule,
     _OneDNNTiedEmbedding,
+    _same_in_every_position,
+    blocked_product,
+    decode_copy,
+    head_blocks_pays,
     onednn_available,
-    onednn_copy,
     onednn_pays,
     upcast_min_rows,
 )
@@ -66,7 +70,7 @@ def test_the_onednn_copy_computes_what_the_mode_does_bitwise_and_shares_the_weig
     # a cached forward through it gives the mode's bits; it leaves bf16 products to F.linear and the model
     # itself as it was.
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(dtype)
-    routed = onednn_copy(model)
+    routed = decode_copy(model, onednn=True)
     assert type(routed.h[0].mlp.c_fc) is _OneDNNLinearModule and type(routed.wte) is _OneDNNTiedEmbedding
     assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
     assert type(model.h[0].mlp.c_fc) is torch.nn.Linear and type(model.wte) is TiedEmbedding
@@ -83,6 +87,82 @@ def test_the_onednn_copy_computes_what_the_mode_does_bitwise_and_shares_the_weig
     assert torch.equal(by_copy, by_mode)
     assert (by_copy.float() - plain.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0)
     assert torch.equal(caches[1].k[3], caches[0].k[3])
+
+
+@pytest.mark.parametrize(("out_features", "blocks"), [(96, 4), (97, 4), (211, 8), (5, 2)])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_product_in_row_blocks_equals_f_linear_within_1e_5(out_features, blocks, rows):
+    # Rows past the last whole block (97 = 4 x 24 + 1) go through F.linear; the result is contiguous.
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 1, 48), torch.randn(out_features, 48)
+    with torch.inference_mode():
+        got = blocked_product(x, w, blocks)
+    assert got.shape == (rows, 1, out_features) and got.is_contiguous()
+    assert (got - F.linear(x, w)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("out_features", [96, 97, 99])
+def test_a_row_in_row_blocks_gets_the_same_bits_in_any_position_beside_any_rows(out_features):
+    # Batch invariance: at a fixed row count a row's bits do not depend on the other rows or its place
+    # among them, rows past whole blocks (97 = 4 x 24 + 1) included. F.linear with one weight row failed it
+    # on a Zen 4 (MKL summed a row in another order at another place), so those rows are not computed apart.
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 1, 48), torch.randn(out_features, 48)
+    with torch.inference_mode():
+        assert _same_in_every_position(blocked_product, x, w, 4)
+        for i in range(3):
+            others = torch.randn(3, 1, 48)
+            others[i] = x[0]
+            assert torch.equal(blocked_product(others, w, 4)[i], blocked_product(x, w, 4)[0])
+
+
+def test_the_position_check_finds_a_product_that_depends_on_a_rows_place():
+    x, w = torch.randn(3, 1, 48), torch.randn(8, 48)
+    shifted = lambda rows, w: F.linear(rows, w) + torch.arange(len(rows))[:, None, None] * 1e-3  # noqa: E731
+    assert not _same_in_every_position(shifted, x, w)
+    assert _same_in_every_position(shifted, x[:1], w)  # one row has one place
+
+
+@pytest.mark.parametrize("onednn", [False, pytest.param(True, marks=needs_onednn)])
+def test_the_decode_copy_with_head_blocks_routes_only_the_head_and_shares_the_weights(onednn):
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1)
+    routed = decode_copy(model, onednn=onednn, head_blocks=4)
+    assert type(routed.wte) is _BlockedTiedEmbedding and routed.wte.blocks == 4
+    assert type(routed.h[0].mlp.c_fc) is (_OneDNNLinearModule if onednn else torch.nn.Linear)
+    assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
+    assert type(model.wte) is TiedEmbedding and not hasattr(model.wte, "blocks")
+    ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
+    with torch.inference_mode():
+        got = routed(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
+        want = model(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
+        hidden = torch.randn(3, 1, 48)
+        assert torch.equal(routed.wte.project(hidden), blocked_product(hidden, model.wte.weight, 4))
+        bf16 = decode_copy(model.to(torch.bfloat16), onednn=onednn, head_blocks=4)
+        assert torch.equal(bf16.wte.project(hidden.bfloat16()), model.wte.project(hidden.bfloat16()))
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_head_blocks_are_measured_only_for_fp32_cpu_heads_and_chosen_by_the_clock(monkeypatch):
+    import generate.kernels as kernels
+
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
+    assert head_blocks_pays(model.to(torch.bfloat16), 1, False) is None
+    assert head_blocks_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 1, False) is None
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
+    assert head_blocks_pays(model, 1, False) in (None, 2, 4, 8)  # whichever is faster on this machine
+    timings = {2: 0.9, 4: 0.8, 8: 0.85, "other": 1.0}
+
+    def clock(fn, x, weight, *blocks):
+        return timings[blocks[0] if blocks else "other"]
+
+    monkeypatch.setattr(kernels, "_best_of", clock)
+    assert head_blocks_pays(model, 3, False) == 4  # the fastest, 20% faster
+    monkeypatch.setattr(kernels, "_same_in_every_position", lambda *a: False)
+    assert head_blocks_pays(model, 3, False) is None  # faster, but a row's bits would depend on its place
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "_best_of", clock)
+    timings.update({2: 0.96, 4: 0.97, 8: 0.99})
+    assert head_blocks_pays(model, 3, True) is None  # under 5% faster: the other route stays
 
 
 def test_only_fp32_cpu_models_are_measured():

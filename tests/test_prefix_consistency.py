@@ -14,17 +14,12 @@ that and stays far below what a wrong mask, position or slot causes (errors the 
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, cached_logits, make_model
+from conftest import FP32_ROUTES, TINY_CONFIGS, cached_logits, make_model
 from generate.engine import Engine
-from generate.kernels import onednn_available
 from generate.request import Request
 from generate.runner import decode_spans
 from generate.sampling import SamplingParams
 from model import GPTConfig
-
-# The eager fp32 routes: F.linear, and oneDNN where this build has it (generate/kernels.py).
-ROUTES = [False, pytest.param(True, marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"))]
-
 
 FP32_TOL = 1e-5
 BF16_TOL = 0.08
@@ -130,14 +125,15 @@ def mixed_requests(config, seed, count=6):
     return out
 
 
-@pytest.mark.parametrize("onednn", ROUTES, ids=["aten", "onednn"])
+@pytest.mark.parametrize("routes", FP32_ROUTES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed, onednn):
-    # Both eager fp32 routes (F.linear, oneDNN: generate/kernels.py), whichever this machine would pick.
+def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed, routes):
+    # Every eager fp32 route (F.linear, oneDNN, the head in row blocks: generate/kernels.py), forced.
     model = make_model(tiny_config, seed=seed, std=0.3)
     requests = mixed_requests(tiny_config, seed)
     engine = Engine(model, slots=2)
-    engine.runner.onednn = onednn
+    for name, value in routes.items():
+        setattr(engine.runner, name, value)
     seen = run_and_record(engine, requests)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
 

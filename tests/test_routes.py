@@ -10,6 +10,7 @@ from conftest import TINY_CONFIGS, make_model
 from generate.routes import model_facts, recorded
 from generate.runner import Runner
 from model import KVCache
+from model.embedding import TiedEmbedding
 
 CONFIG = TINY_CONFIGS["5x3x48"]
 
@@ -95,8 +96,9 @@ def test_a_second_runner_takes_the_kept_routes_without_measuring(cache_dir, monk
         first.onednn_prefill,
         first.upcast_rows,
     )
-    Runner(model, KVCache(CONFIG, 3, CONFIG.n_positions))  # another slot count: the decode route measured
-    assert [a[1:] for a in measured] == [(3,)], [a[1:] for a in measured]
+    monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda *a: measured.append(a) or None)
+    Runner(model, KVCache(CONFIG, 3, CONFIG.n_positions))  # another slot count: the decode routes measured
+    assert [a[1] for a in measured] == [3, 3], [a[1:] for a in measured]  # oneDNN, then the head's blocks
 
 
 def test_decode_steps_take_the_upcast_route_only_where_whole_steps_were_faster(cache_dir, monkeypatch):
@@ -135,6 +137,45 @@ def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkey
     monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
     assert runner._steps_faster_with("upcast_decode") is faster
     assert runner.upcast_decode is faster and len(entered) == 3  # the three steps timed on the route
+
+
+def test_the_head_takes_row_blocks_only_where_whole_steps_were_faster(cache_dir, monkeypatch):
+    # The head's block count comes from the head alone; then whole steps are timed both ways, and kept.
+    model = make_model(CONFIG, seed=2)
+    monkeypatch.setattr(generate.runner, "onednn_pays", lambda model, rows: False)
+    monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda m, rows, onednn: 4 if rows > 1 else None)
+    timed = []
+
+    def steps_faster(self, route, on=True, off=False, by=0.97):
+        timed.append((route, on, off, by, self.cache.slots))
+        faster = self.cache.slots == 3
+        setattr(self, route, on if faster else off)
+        return faster
+
+    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    made = {n: Runner(model, KVCache(CONFIG, n, 16)).head_blocks for n in (1, 2, 3)}
+    assert made == {1: None, 2: None, 3: 4}
+    assert timed == [("head_blocks", 4, None, 1.0, 2), ("head_blocks", 4, None, 1.0, 3)]  # not at 1 row
+    assert Runner(model, KVCache(CONFIG, 3, 16)).head_blocks == 4 and len(timed) == 2  # kept
+
+
+@pytest.mark.parametrize(("off", "on", "blocks"), [(1.0, 0.98, 4), (1.0, 1.0, None), (1.0, 1.02, None)])
+def test_timing_the_head_in_row_blocks_leaves_it_as_the_clock_says(cache_dir, monkeypatch, off, on, blocks):
+    # The head alone was faster in blocks; whole steps need only be no slower (the gain is within their
+    # noise), and they are timed on the route's copy of the modules, kept only if it wins.
+    from generate.kernels import _BlockedTiedEmbedding
+
+    runner = Runner(make_model(CONFIG, seed=2), KVCache(CONFIG, 3, 16))
+    runner.onednn, runner.head_blocks = False, None
+    monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda model, rows, onednn: 4)
+    heads, project = [], _BlockedTiedEmbedding.project
+    monkeypatch.setattr(_BlockedTiedEmbedding, "project", lambda self, x: heads.append(1) or project(self, x))
+    ticks = iter([0.0, off, 10.0, 10.0 + on] * 3)  # each round: a step off, then a step on
+    monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
+    assert runner._measure_head_blocks() == blocks
+    assert runner.head_blocks == blocks and len(heads) == 3  # the three steps timed in blocks
+    assert list(runner._routed) == ([(False, 4)] if blocks else [])  # a losing route's copy is dropped
+    assert type(runner._decode_model().wte) is (_BlockedTiedEmbedding if blocks else TiedEmbedding)
 
 
 def test_model_facts_tell_layer_kinds_sizes_and_dtypes_apart():
