@@ -143,17 +143,60 @@ def _blocks_take(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> bool:
     return _onednn_takes(x, weight) and weight.is_contiguous() and weight.shape[0] >= blocks
 
 
-def decode_copy(model: GPT, *, onednn: bool, head_blocks: int | None = None) -> GPT:
+def blocked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as one batched product of the rows by ``blocks`` contiguous blocks of
+    the weight's rows, whose count ``blocks`` divides: (..., in) -> (..., out). The rows are on the left of
+    each block's product, the layout that was faster for the body's products (the head's,
+    :func:`blocked_product`, puts its long blocks on the left). The pre-v2 code ran fp32 decode products
+    this way on a Zen 3, one block per thread: a GPT-2 124M batch-1 step 31.9 ms against 38.8 in oneDNN
+    (768 x 768 and 768 x 3072 products 12 -> 16 and 17 -> 20 GB/s)."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(1, -1, in_features).expand(blocks, -1, -1)
+    parts = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/b)
+    y = torch.bmm(rows, parts) if bias is None else torch.baddbmm(bias.view(blocks, 1, -1), rows, parts)
+    return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (blocks, R, out/b) -> (..., out)
+
+
+def _divides(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> bool:
+    """Whether :func:`blocked_linear` takes this product: fp32 on the CPU, a contiguous matrix weight
+    whose rows ``blocks`` divides."""
+    return _onednn_takes(x, weight) and weight.is_contiguous() and weight.shape[0] % blocks == 0
+
+
+class _BlockedLinearModule(nn.Linear):
+    """An ``nn.Linear`` whose fp32 CPU products run in :attr:`blocks` row blocks (:func:`blocked_linear`)
+    where they divide, else in oneDNN with :attr:`onednn`, else as ``F.linear``."""
+
+    blocks: int
+    onednn: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _divides(x, self.weight, self.blocks):
+            return blocked_linear(x, self.weight, self.bias, self.blocks)
+        if self.onednn and _onednn_takes(x, self.weight):
+            return _onednn_linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def decode_copy(
+    model: GPT, *, onednn: bool, head_blocks: int | None = None, body_blocks: int | None = None
+) -> GPT:
     """A copy of the model's modules that shares every parameter and buffer (no weight is copied), for the
     eager decode step's routes: with ``onednn``, its fp32 CPU linear products, the tied head's included, run
     in oneDNN's inner product (the products :class:`OneDNNLinear` routes, on the same kernel, without a
     mode's cost on every torch call: a pass-through mode made an eager GPT-2 124M int8 decode step at batch 1
     2.4 ms longer, on a 2-core Zen 4); with ``head_blocks``, its fp32 head runs in that many row blocks
-    (:func:`blocked_product`), whichever ``onednn`` says. The model itself is left as it is."""
+    (:func:`blocked_product`), and with ``body_blocks`` its linear layers (:func:`blocked_linear`, where
+    their outputs divide), whichever ``onednn`` says. The model itself is left as it is."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
     for module in routed.modules():
-        if type(module) is nn.Linear and onednn:
+        if type(module) is nn.Linear and body_blocks is not None:
+            module.__class__ = _BlockedLinearModule
+            module.blocks, module.onednn = body_blocks, onednn
+        elif type(module) is nn.Linear and onednn:
             module.__class__ = _OneDNNLinearModule
         elif type(module) is TiedEmbedding and head_blocks is not None:
             module.__class__ = _BlockedTiedEmbedding
@@ -161,6 +204,27 @@ def decode_copy(model: GPT, *, onednn: bool, head_blocks: int | None = None) -> 
         elif type(module) is TiedEmbedding and onednn:
             module.__class__ = _OneDNNTiedEmbedding
     return routed
+
+
+def body_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
+    """Whether the decode step's linear layers can run in ``blocks`` row blocks (:func:`blocked_linear`) at
+    ``rows`` rows: an fp32 CPU model with ``blocks`` > 1 whose block's ``nn.Linear`` layers take them, each
+    giving a row the same bits in every position among the rows (:func:`_same_in_every_position`). Whether
+    it pays is left to whole steps: one product's timing reads its weight from cache, where a step reads
+    it from memory."""
+    layers = [m for m in model.h[0].modules() if type(m) is nn.Linear]
+    x = torch.randn(rows, 1, model.config.n_embd)
+    if blocks < 2 or model.device.type != "cpu" or not layers:
+        return False
+    if not all(_divides(x, m.weight, blocks) for m in layers):
+        return False
+    with torch.inference_mode():
+        return all(
+            _same_in_every_position(
+                blocked_linear, torch.randn(rows, 1, m.in_features), m.weight, m.bias, blocks
+            )
+            for m in layers
+        )
 
 
 def head_blocks_pays(

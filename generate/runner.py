@@ -32,6 +32,7 @@ import torch
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
+    body_blocks_fit,
     decode_copy,
     head_blocks_pays,
     onednn_pays,
@@ -99,6 +100,10 @@ class Runner:
             (:func:`generate.kernels.blocked_product`), or None: where the head alone is faster so
             (:func:`generate.kernels.head_blocks_pays`), whole steps are timed both ways, as for
             :attr:`onednn` (decided after it).
+        body_blocks: the eager decode step's fp32 linear layers run in this many row blocks, one per
+            thread (:func:`generate.kernels.blocked_linear`), or None: where they can
+            (:func:`generate.kernels.body_blocks_fit`) and whole steps are at least 3% faster so (decided
+            after :attr:`head_blocks`).
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
         upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
             eager decode step where :attr:`upcast_decode`), or None; measured on CPUs without native bf16
@@ -113,8 +118,9 @@ class Runner:
         self.spans: tuple[int, ...] = (cache.max_len,)
         self.onednn = False
         self.head_blocks: int | None = None
+        self.body_blocks: int | None = None
         self.upcast_decode = False
-        self._routed: dict[tuple[bool, int | None], GPT] = {}  # _decode_model's copies, by route
+        self._routed: dict[tuple[bool, int | None, int | None], GPT] = {}  # _decode_model's copies, by route
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
@@ -155,6 +161,13 @@ class Runner:
                 self._measure_head_blocks,
                 lambda v: v is None or (type(v) is int and v > 0),
             )
+            blocks = torch.get_num_threads()
+            self.body_blocks = recorded(
+                "body-blocks",
+                {**shape, "onednn": self.onednn, "head_blocks": self.head_blocks, "blocks": blocks},
+                lambda: self._measure_body_blocks(blocks),
+                lambda v: v is None or (type(v) is int and v > 0),
+            )
             self.upcast_decode = (
                 self.upcast_rows is not None
                 and cache.slots >= self.upcast_rows
@@ -170,6 +183,12 @@ class Runner:
         blocks = head_blocks_pays(self.model, self.cache.slots, self.onednn)
         faster = blocks is not None and self._steps_faster_with("head_blocks", blocks, None, by=1.0)
         return blocks if faster else None
+
+    def _measure_body_blocks(self, blocks: int) -> int | None:
+        """:attr:`body_blocks`: ``blocks`` where the linear layers can run in them and whole steps are at
+        least 3% faster so."""
+        fits = body_blocks_fit(self.model, self.cache.slots, blocks)
+        return blocks if fits and self._steps_faster_with("body_blocks", blocks, None) else None
 
     def _steps_faster_with(
         self, route: str, on: object = True, off: object = False, by: float = 0.97
@@ -193,7 +212,7 @@ class Runner:
                 best[i] = min(best[i], time.perf_counter() - start)
         faster = best[1] < by * best[0]
         setattr(self, route, on if faster else off)
-        key = (self.onednn, self.head_blocks)
+        key = (self.onednn, self.head_blocks, self.body_blocks)
         self._routed = {key: self._routed[key]} if key in self._routed else {}
         return faster
 
@@ -210,15 +229,15 @@ class Runner:
         return OneDNNLinear() if self.onednn_prefill else contextlib.nullcontext()
 
     def _decode_model(self) -> GPT:
-        """The model the eager decode step calls: with :attr:`onednn` or :attr:`head_blocks`, a copy of its
-        modules sharing its tensors whose fp32 products take those routes
+        """The model the eager decode step calls: with :attr:`onednn`, :attr:`head_blocks` or
+        :attr:`body_blocks`, a copy of its modules sharing its tensors whose fp32 products take those routes
         (:func:`generate.kernels.decode_copy`), taken at its first use (modules swapped in the model after
         that are not seen by the eager step)."""
-        key = (self.onednn, self.head_blocks)
-        if key == (False, None):
+        key = (self.onednn, self.head_blocks, self.body_blocks)
+        if key == (False, None, None):
             return self.model
         if key not in self._routed:
-            self._routed[key] = decode_copy(self.model, onednn=self.onednn, head_blocks=self.head_blocks)
+            self._routed[key] = decode_copy(self.model, onednn=key[0], head_blocks=key[1], body_blocks=key[2])
         return self._routed[key]
 
     @property

@@ -23,16 +23,16 @@ INT4_CONFIG = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=3, n_h
 
 
 # The eager decode step's fp32 routes (generate/kernels.py), forced on a runner with setattr: F.linear,
-# oneDNN where this build has it, and the head in row blocks (97- and 211-token vocabularies leave rows past
-# the last block, computed apart).
+# oneDNN where this build has it, and the head and the linear layers in row blocks (the vocabularies, of 50,
+# 97 and 211 tokens, leave head rows past 4 whole blocks: the blocks overlap there).
 FP32_ROUTES = [
-    pytest.param({"onednn": False, "head_blocks": None}, id="aten"),
+    pytest.param({"onednn": False, "head_blocks": None, "body_blocks": None}, id="aten"),
     pytest.param(
-        {"onednn": True, "head_blocks": None},
+        {"onednn": True, "head_blocks": None, "body_blocks": None},
         id="onednn",
         marks=pytest.mark.skipif(not onednn_available(), reason="no oneDNN"),
     ),
-    pytest.param({"onednn": False, "head_blocks": 4}, id="head-blocks"),
+    pytest.param({"onednn": False, "head_blocks": 4, "body_blocks": 2}, id="blocks"),
 ]
 
 

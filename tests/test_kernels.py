@@ -9,11 +9,14 @@ from conftest import TINY_CONFIGS, make_model
 from generate.kernels import (
     OneDNNLinear,
     UpcastBF16,
+    _BlockedLinearModule,
     _BlockedTiedEmbedding,
     _OneDNNLinearModule,
     _OneDNNTiedEmbedding,
     _same_in_every_position,
+    blocked_linear,
     blocked_product,
+    body_blocks_fit,
     decode_copy,
     head_blocks_pays,
     onednn_available,
@@ -163,6 +166,50 @@ def test_head_blocks_are_measured_only_for_fp32_cpu_heads_and_chosen_by_the_cloc
     monkeypatch.setattr(kernels, "_best_of", clock)
     timings.update({2: 0.96, 4: 0.97, 8: 0.99})
     assert head_blocks_pays(model, 3, True) is None  # under 5% faster: the other route stays
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_linear_in_row_blocks_equals_f_linear_and_gives_a_row_the_same_bits_in_any_place(bias, rows):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(rows, 1, 48), torch.randn(96, 48), torch.randn(96) if bias else None
+    with torch.inference_mode():
+        got = blocked_linear(x, w, b, 4)
+        assert got.shape == (rows, 1, 96) and (got - F.linear(x, w, b)).abs().max().item() <= 1e-5
+        assert _same_in_every_position(blocked_linear, x, w, b, 4)
+
+
+@pytest.mark.parametrize("onednn", [False, pytest.param(True, marks=needs_onednn)])
+def test_the_decode_copy_with_body_blocks_takes_the_layers_they_divide_and_leaves_the_rest(onednn):
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1)  # outputs 144, 48, 192, 48: 3 divides all
+    routed = decode_copy(model, onednn=onednn, body_blocks=3)
+    layer = routed.h[0].mlp.c_fc
+    assert type(layer) is _BlockedLinearModule and (layer.blocks, layer.onednn) == (3, onednn)
+    assert type(routed.wte) is (_OneDNNTiedEmbedding if onednn else TiedEmbedding)
+    assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
+    x = torch.randn(2, 1, 48)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), blocked_linear(x, layer.weight, layer.bias, 3))
+        layer.blocks = 5  # 192 outputs: 5 does not divide them, so the layer's other kernel
+        other = (
+            torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+            if onednn
+            else None
+        )
+        assert torch.equal(layer(x), other if onednn else F.linear(x, layer.weight, layer.bias))
+        ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
+        got = routed(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
+        want = model(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_body_blocks_fit_only_fp32_cpu_layers_they_divide():
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
+    assert body_blocks_fit(model, 3, 2) and body_blocks_fit(model, 1, 3)
+    assert not body_blocks_fit(model, 3, 1)  # one block is the product itself
+    assert not body_blocks_fit(model, 3, 5)  # 5 divides none of 144, 48, 192
+    assert not body_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2)
+    assert not body_blocks_fit(model.to(torch.bfloat16), 3, 2)
 
 
 def test_only_fp32_cpu_models_are_measured():

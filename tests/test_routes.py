@@ -166,7 +166,7 @@ def test_timing_the_head_in_row_blocks_leaves_it_as_the_clock_says(cache_dir, mo
     from generate.kernels import _BlockedTiedEmbedding
 
     runner = Runner(make_model(CONFIG, seed=2), KVCache(CONFIG, 3, 16))
-    runner.onednn, runner.head_blocks = False, None
+    runner.onednn, runner.head_blocks, runner.body_blocks = False, None, None
     monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda model, rows, onednn: 4)
     heads, project = [], _BlockedTiedEmbedding.project
     monkeypatch.setattr(_BlockedTiedEmbedding, "project", lambda self, x: heads.append(1) or project(self, x))
@@ -174,8 +174,32 @@ def test_timing_the_head_in_row_blocks_leaves_it_as_the_clock_says(cache_dir, mo
     monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
     assert runner._measure_head_blocks() == blocks
     assert runner.head_blocks == blocks and len(heads) == 3  # the three steps timed in blocks
-    assert list(runner._routed) == ([(False, 4)] if blocks else [])  # a losing route's copy is dropped
+    assert list(runner._routed) == ([(False, 4, None)] if blocks else [])  # a losing route's copy is dropped
     assert type(runner._decode_model().wte) is (_BlockedTiedEmbedding if blocks else TiedEmbedding)
+
+
+def test_the_body_takes_row_blocks_only_where_they_fit_and_whole_steps_were_faster(cache_dir, monkeypatch):
+    # One block per thread; whole steps timed (held to 3%) only where the layers take the blocks.
+    model = make_model(CONFIG, seed=2)
+    monkeypatch.setattr(generate.runner, "onednn_pays", lambda model, rows: False)
+    monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda model, rows, onednn: None)
+    monkeypatch.setattr(generate.runner.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(generate.runner, "body_blocks_fit", lambda model, rows, blocks: rows > 1)
+    timed = []
+
+    def steps_faster(self, route, on=True, off=False, by=0.97):
+        timed.append((route, on, off, by, self.cache.slots))
+        faster = self.cache.slots == 3
+        setattr(self, route, on if faster else off)
+        return faster
+
+    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    made = {n: Runner(model, KVCache(CONFIG, n, 16)).body_blocks for n in (1, 2, 3)}
+    assert made == {1: None, 2: None, 3: 2}
+    assert timed == [("body_blocks", 2, None, 0.97, 2), ("body_blocks", 2, None, 0.97, 3)]
+    runner = Runner(model, KVCache(CONFIG, 3, 16))
+    assert runner.body_blocks == 2 and len(timed) == 2  # kept
+    assert type(runner._decode_model().h[0].mlp.c_fc).__name__ == "_BlockedLinearModule"
 
 
 def test_model_facts_tell_layer_kinds_sizes_and_dtypes_apart():
