@@ -139,20 +139,27 @@ def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkey
     assert runner.upcast_decode is faster and len(entered) == 3  # the three steps timed on the route
 
 
+def steps_faster_at(monkeypatch, slots: int) -> list[tuple]:
+    """Whole steps timed (``Runner._steps_faster_with``) come out faster on the route at ``slots`` slots
+    only; returns the list each timing's arguments go into."""
+    timed = []
+
+    def steps_faster(self, route, on=True, off=False, by=0.97):
+        timed.append((route, on, off, by, self.cache.slots))
+        faster = self.cache.slots == slots
+        setattr(self, route, on if faster else off)
+        return faster
+
+    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    return timed
+
+
 def test_the_head_takes_row_blocks_only_where_whole_steps_were_faster(cache_dir, monkeypatch):
     # The head's block count comes from the head alone; then whole steps are timed both ways, and kept.
     model = make_model(CONFIG, seed=2)
     monkeypatch.setattr(generate.runner, "onednn_pays", lambda model, rows: False)
     monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda m, rows, onednn: 4 if rows > 1 else None)
-    timed = []
-
-    def steps_faster(self, route, on=True, off=False, by=0.97):
-        timed.append((route, on, off, by, self.cache.slots))
-        faster = self.cache.slots == 3
-        setattr(self, route, on if faster else off)
-        return faster
-
-    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    timed = steps_faster_at(monkeypatch, slots=3)
     made = {n: Runner(model, KVCache(CONFIG, n, 16)).head_blocks for n in (1, 2, 3)}
     assert made == {1: None, 2: None, 3: 4}
     assert timed == [("head_blocks", 4, None, 1.0, 2), ("head_blocks", 4, None, 1.0, 3)]  # not at 1 row
@@ -185,15 +192,7 @@ def test_the_body_takes_row_blocks_only_where_they_fit_and_whole_steps_were_fast
     monkeypatch.setattr(generate.runner, "head_blocks_pays", lambda model, rows, onednn: None)
     monkeypatch.setattr(generate.runner.torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(generate.runner, "body_blocks_fit", lambda model, rows, blocks: rows > 1)
-    timed = []
-
-    def steps_faster(self, route, on=True, off=False, by=0.97):
-        timed.append((route, on, off, by, self.cache.slots))
-        faster = self.cache.slots == 3
-        setattr(self, route, on if faster else off)
-        return faster
-
-    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
+    timed = steps_faster_at(monkeypatch, slots=3)
     made = {n: Runner(model, KVCache(CONFIG, n, 16)).body_blocks for n in (1, 2, 3)}
     assert made == {1: None, 2: None, 3: 2}
     assert timed == [("body_blocks", 2, None, 0.97, 2), ("body_blocks", 2, None, 0.97, 3)]
