@@ -4,8 +4,8 @@ Prefill's routes (oneDNN for fp32 products, fp32 for bf16 products) are modes
 (:class:`~torch.overrides.TorchFunctionMode`) the runner enters around eager calls. A mode costs
 microseconds on every torch call, so the bf16 mode (which decode steps take too, where it pays) is entered
 only where a product reaches its row count, and the eager decode step's fp32 routes (oneDNN, and row blocks
-for the head) are a copy of the model's modules, sharing its tensors, whose layers call their kernels
-themselves (:func:`decode_copy`).
+for the head and the linear layers) are a copy of the model's modules, sharing its tensors, whose layers
+call their kernels themselves (:func:`decode_copy`).
 
 **oneDNN for fp32 decode.** fp32 products of the eager decode step on the CPU can run in oneDNN's inner
 product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead
@@ -18,7 +18,11 @@ the other rows' values, so rows stay bitwise independent within an engine either
 **Row blocks for the fp32 head in decode.** A wide head read by a few rows runs faster as one batched
 product over a few contiguous blocks of its rows (:func:`blocked_product`): GPT-2 124M's head at 1 row
 4.8 ms against oneDNN's 5.8 on the Zen 4, and a batch-1 step 18.5 ms against 20.4. At 8 rows oneDNN wins.
-:func:`head_blocks_pays` measures it for the model and row count at hand.
+:func:`head_blocks_pays` measures it for the model and row count at hand. The linear layers can run in one
+block of rows per thread too (:func:`blocked_linear`, the pre-v2 code's route, measured faster on a Zen 3);
+whole steps decide (on the Zen 4, 2.7% faster at batch 1: under the 3% the route asks, so not taken).
+Either way a row's bits must not depend on its place among the rows, which is checked before a route is
+taken (:func:`_same_in_every_position`).
 
 **fp32 for bf16 without native bf16.** On a CPU without AVX-512 bf16 or AMX, oneDNN emulates bf16 products
 and their time grows with the rows (measured before on a 2-core AMD EPYC Zen 3: GPT-2 124M's products 18 ms

@@ -68,7 +68,7 @@ def test_a_model_forward_under_the_mode_matches_the_reference():
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_onednn_copy_computes_what_the_mode_does_bitwise_and_shares_the_weights(dtype):
+def test_the_decode_copy_on_onednn_computes_what_the_mode_does_bitwise_and_shares_the_weights(dtype):
     # The eager decode step's oneDNN route is a copy of the model's modules (no mode on every torch call):
     # a cached forward through it gives the mode's bits; it leaves bf16 products to F.linear and the model
     # itself as it was.
