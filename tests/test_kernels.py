@@ -95,7 +95,8 @@ def test_the_decode_copy_on_onednn_computes_what_the_mode_does_bitwise_and_share
 @pytest.mark.parametrize(("out_features", "blocks"), [(96, 4), (97, 4), (211, 8), (5, 2)])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_product_in_row_blocks_equals_f_linear_within_1e_5(out_features, blocks, rows):
-    # Rows past the last whole block (97 = 4 x 24 + 1) go through F.linear; the result is contiguous.
+    # Rows past whole blocks (97 = 4 x 24 + 1) come from the last block, which overlaps the one before it;
+    # the result is contiguous.
     torch.manual_seed(0)
     x, w = torch.randn(rows, 1, 48), torch.randn(out_features, 48)
     with torch.inference_mode():
