@@ -217,17 +217,15 @@ def body_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
     it pays is left to whole steps: one product's timing reads its weight from cache, where a step reads
     it from memory."""
     layers = [m for m in model.h[0].modules() if type(m) is nn.Linear]
-    x = torch.randn(rows, 1, model.config.n_embd)
     if blocks < 2 or model.device.type != "cpu" or not layers:
         return False
-    if not all(_divides(x, m.weight, blocks) for m in layers):
+    inputs = [torch.randn(rows, 1, m.in_features) for m in layers]
+    if not all(_divides(x, m.weight, blocks) for x, m in zip(inputs, layers, strict=True)):
         return False
     with torch.inference_mode():
         return all(
-            _same_in_every_position(
-                blocked_linear, torch.randn(rows, 1, m.in_features), m.weight, m.bias, blocks
-            )
-            for m in layers
+            _same_in_every_position(blocked_linear, x, m.weight, m.bias, blocks)
+            for x, m in zip(inputs, layers, strict=True)
         )
 
 
