@@ -12,9 +12,13 @@ Needs ``pip install -e ".[ray]"``.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from generate.batch import Defaults, check_columns, file_format, input_key, run_rows, with_results
 
@@ -61,11 +65,14 @@ def run_ray(
     cpus_per_worker: int,
     slots: int,
     rows_per_batch: int = 64,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[int, int]:
     """Run the job on Ray; returns (rows run now, rows skipped as already in ``output_dir``).
 
     ``address``: a running cluster's (``ray start --head`` prints it; ``auto`` finds the local one); None
-    starts a local cluster for this job.
+    starts a local cluster for this job. ``progress(done, total)`` is called about once a second while
+    the rows run: the rows in the part files written so far, of the rows to run. A worker's failure is a
+    RuntimeError of one line: the worker's error, and where Ray's logs are.
     """
     ray = require_ray()
     fmt = file_format(input_path, "input")
@@ -101,24 +108,116 @@ def run_ray(
                                    "threads": cpus_per_worker},
             batch_format="pyarrow",
             batch_size=rows_per_batch,
-            concurrency=workers,
+            compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,
             num_gpus=1 if use_gpu else 0,
         )  # fmt: skip
         output.mkdir(parents=True, exist_ok=True)
-        if fmt == "parquet":
-            ds.write_parquet(output_dir)
-        else:  # (pandas writes the JSON: 15 significant digits, its most, not its default 10)
-            ds.write_json(output_dir, double_precision=15, force_ascii=False)
-    except ray.exceptions.RayError as e:  # a worker's failure: its first line, not Ray's whole report
+        with _watching(output, fmt, remaining, progress):
+            if fmt == "parquet":
+                ds.write_parquet(output_dir)
+            else:  # (pandas writes the JSON: 15 significant digits, its most, not its default 10)
+                ds.write_json(output_dir, double_precision=15, force_ascii=False)
+    except ray.exceptions.RayError as e:  # a worker's failure: its last line, not Ray's whole report
         if created and output.is_dir() and not any(output.iterdir()):
             output.rmdir()
-        first = str(e).strip().splitlines()
-        raise RuntimeError(f"a Ray worker failed: {first[-1] if first else type(e).__name__}") from None
+        lines = str(e).strip().splitlines()
+        logs = _logs_dir(ray)
+        what = (lines[-1] if lines else type(e).__name__) + (f" (Ray's logs: {logs})" if logs else "")
+        raise RuntimeError(f"a Ray worker failed: {what}") from None
     finally:
         if started:
             ray.shutdown()
     return remaining, total - remaining
+
+
+@contextmanager
+def console_to_null() -> Iterator[TextIO]:
+    """Send this process's standard output and error (the file descriptors, so C++ logging too) to the
+    null device while Ray runs a job, and yield a stream on the real standard error for the caller's own
+    lines. Ray prints its progress logs, error reports with tracebacks (from the driver and echoed from
+    the cluster) and core-worker errors there; its log files keep them all. ``gptgen batch --ray`` uses
+    this so that a job prints only its progress and its one line of result or error."""
+    streams = sys.stdout, sys.stderr
+    for stream in streams:
+        if stream is not None:
+            stream.flush()
+    saved = os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    with (
+        os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="backslashreplace") as real,
+        open(os.devnull, "w", encoding="utf-8") as quiet,  # for code that looks up sys.stdout or sys.stderr
+    ):
+        try:
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            sys.stdout = sys.stderr = quiet
+            yield real
+        finally:
+            sys.stdout, sys.stderr = streams
+            for stream in streams:
+                if stream is not None:
+                    stream.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in (*saved, null):
+                os.close(fd)
+
+
+@contextmanager
+def _watching(
+    folder: Path, fmt: str, total: int, progress: Callable[[int, int], None] | None
+) -> Iterator[None]:
+    """While the body runs, call ``progress(rows written, total)`` about once a second, counting the rows
+    in the part files that were not in ``folder`` before (a file being written counts what it has)."""
+    if progress is None:
+        yield
+        return
+    before = set(os.listdir(folder))
+    counted: dict[str, tuple[int, int]] = {}  # name -> (size, rows) as last counted
+    stop = threading.Event()
+
+    def rows_written() -> int:
+        for entry in os.scandir(folder):
+            if entry.name in before or not entry.is_file():
+                continue
+            size = entry.stat().st_size
+            if counted.get(entry.name, (-1, 0))[0] != size:
+                counted[entry.name] = (size, _rows_in(Path(entry.path), fmt))
+        return sum(rows for _, rows in counted.values())
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            progress(min(rows_written(), total), total)
+
+    thread = threading.Thread(target=watch, name="gptgen-ray-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _rows_in(path: Path, fmt: str) -> int:
+    """Rows in a part file: its lines (JSON Lines) or its footer's count (Parquet); 0 while unreadable."""
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except (OSError, ValueError):  # gone, or a Parquet footer not written yet (ArrowInvalid)
+        return 0
+
+
+def _logs_dir(ray: Any) -> str | None:
+    """Where this Ray session keeps its logs (on the head node), or None where Ray does not say."""
+    try:
+        return ray._private.worker._global_node.get_logs_dir_path()
+    except Exception:  # a private attribute: any Ray version may lack it
+        return None
 
 
 def _for_workers(load_options: dict[str, Any]) -> dict[str, Any]:

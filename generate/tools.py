@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from generate.cli import (
     CommandParser,
@@ -94,17 +95,21 @@ def build_score_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _progress(start: float, verb: str, unit: str) -> Callable[[int, int], None] | None:
-    """A progress bar on stderr (a terminal only): how many ``unit`` are done, percent, speed."""
-    if sys.stderr is None or not sys.stderr.isatty():
+def _progress(
+    start: float, verb: str, unit: str, stream: TextIO | None = None
+) -> Callable[[int, int], None] | None:
+    """A progress bar on ``stream`` (default stderr; a terminal only): how many ``unit`` are done, percent,
+    speed."""
+    out = stream if stream is not None else sys.stderr
+    if out is None or not out.isatty():
         return None
 
     def show(done: int, total: int) -> None:
         global _progress_shown
         rate = done / max(time.perf_counter() - start, 1e-9)
-        line = f"{verb}: {done:,}/{total:,} {unit} ({done / total:.0%}), {rate:,.1f} {unit}/s"
-        sys.stderr.write("\r\x1b[K" + line)
-        sys.stderr.flush()
+        line = f"{verb}: {done:,}/{total:,} {unit} ({done / max(total, 1):.0%}), {rate:,.1f} {unit}/s"
+        out.write("\r\x1b[K" + line)
+        out.flush()
         _progress_shown = True
 
     return show
@@ -338,7 +343,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     SamplingParams(temperature=args.temperature, top_p=args.top_p)  # refused here, not in every row
     start = time.perf_counter()
     if args.ray is not None:
-        from generate.ray_batch import run_ray
+        from generate.ray_batch import console_to_null, run_ray
 
         load_options = {
             "source": args.checkpoint,
@@ -347,16 +352,21 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             "dtype": args.dtype,
             "group_size": args.group_size,
         }
-        ran, skipped = run_ray(
-            args.input,
-            args.output,
-            defaults,
-            load_options,
-            address=args.ray or None,
-            workers=args.workers,
-            cpus_per_worker=args.cpus_per_worker,
-            slots=args.batch_size,
-        )
+        # Ray's own console output (progress logs, tracebacks of a worker's failure, core-worker errors)
+        # goes to its log files only: the command prints its progress and one line of result or error.
+        with console_to_null() as stderr:
+            ran, skipped = run_ray(
+                args.input,
+                args.output,
+                defaults,
+                load_options,
+                address=args.ray or None,
+                workers=args.workers,
+                cpus_per_worker=args.cpus_per_worker,
+                slots=args.batch_size,
+                progress=None if args.no_progress else _progress(start, "generating", "rows", stderr),
+            )
+        _clear_progress()
         where = "on Ray"
     else:
         from generate.batch import run_file

@@ -1,39 +1,69 @@
-"""`gptgen batch --ray` on a real Ray cluster: two nodes faked by `ray.cluster_utils.Cluster` (one CPU each),
-two workers. The Ray output equals the local output row for row (seeded and greedy rows), a failed row
-loses no other, Parquet works, and a second run skips the rows already written."""
+"""`gptgen batch --ray` on a real Ray cluster: two nodes faked by `ray.cluster_utils.Cluster` (two logical
+CPUs each), two workers. The cluster runs in a helper process and every job is the command in its own
+process, as a user runs it, so no Ray driver lives in the test process (Ray ends a driver whose raylet or
+GCS it loses with a bare exit; here that fails one test with its output instead of ending the session).
+The Ray output equals the local output row for row (seeded and greedy rows), a failed row loses no other,
+Parquet works, a second run skips the rows already written, and the command prints one line, its result
+or its error, whatever Ray logs."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import select
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 import generate
 from generate.batch import Defaults, run_file
-from generate.tools import batch_main
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"Row {i} of the batch:", "id": i, "seed": 100 + i, "temperature": 0.9} for i in range(12)]
 ROWS += [
     {"prompt": "Greedy, please", "id": 12, "seed": None, "temperature": 0.0},
     {"prompt": "This row fails", "id": 13, "seed": None, "temperature": -1.0},
 ]
 OPTIONS = ["-n", "8", "--batch-size", "4"]
+CLUSTER = """
+import sys
+from ray.cluster_utils import Cluster
+nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+nodes.add_node(num_cpus=2)
+nodes.wait_for_nodes()
+print(nodes.address, flush=True)
+sys.stdin.read()  # until the tests close it (or end)
+nodes.shutdown()
+"""
+WROTE = r"wrote \S+: {ran} rows \({skipped} already there\) in [\d.]+ s on Ray \([\d.,]+ rows/s\)\n"
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory) -> str:
     """A head node and a second node, two logical CPUs each (one for a worker, one for Ray Data's read and
-    write tasks): started once for the module."""
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    nodes.add_node(num_cpus=2)
-    nodes.wait_for_nodes()
-    yield nodes
-    if ray.is_initialized():
-        ray.shutdown()
-    nodes.shutdown()
+    write tasks), started once for the module in a helper process; its address."""
+    log = tmp_path_factory.mktemp("ray_cluster") / "cluster.log"
+    with open(log, "w") as err:
+        pipe = subprocess.PIPE
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER], stdin=pipe, stdout=pipe, stderr=err, text=True
+        )
+    ready, _, _ = select.select([proc.stdout], [], [], 180)
+    address = proc.stdout.readline().strip() if ready else ""
+    if not address:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the Ray cluster did not start: {log.read_text()[-3000:]}")
+    yield address
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +78,13 @@ def read_parts(folder) -> list[dict]:
     return sorted(rows, key=lambda r: r["id"])
 
 
-def run(argv) -> int:
-    try:
-        return batch_main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code
+def gptgen_batch(*args) -> subprocess.CompletedProcess:
+    """``gptgen batch ARGS`` in its own process (no terminal, so no progress bar)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "generate.gptgen", "batch", *map(str, args)]
+    options = {"stdin": subprocess.DEVNULL, "capture_output": True, "text": True, "timeout": 600}
+    return subprocess.run(command, cwd=ROOT, env=env, **options)
 
 
 def test_the_ray_output_equals_the_local_output_row_for_row(cluster, ckpt, tmp_path):
@@ -61,9 +93,12 @@ def test_the_ray_output_equals_the_local_output_row_for_row(cluster, ckpt, tmp_p
     local = tmp_path / "local.jsonl"
     run_file(generate.load(ckpt), source, local, Defaults(max_new_tokens=8), slots=4)
     out = tmp_path / "ray_out"
-    ray_options = ["--ray", cluster.address, "--workers", "2", "--cpus-per-worker", "1"]
+    ray_options = ["--ray", cluster, "--workers", "2", "--cpus-per-worker", "1"]
     argv = [source, out, "-c", ckpt, *OPTIONS, *ray_options]
-    assert run(argv) == 0
+    done = gptgen_batch(*argv)
+    # Exit 0 and one line: Ray's logs (progress, the actors' warnings) stay in its log files.
+    assert done.returncode == 0 and done.stdout == "", done.stderr[-3000:]
+    assert re.fullmatch(WROTE.format(ran=14, skipped=0), done.stderr), done.stderr[-3000:]
     expected = [json.loads(line) for line in local.read_text().splitlines()]
     got = read_parts(out)
     assert got == expected  # every field of every row, results included
@@ -71,7 +106,8 @@ def test_the_ray_output_equals_the_local_output_row_for_row(cluster, ckpt, tmp_p
     assert all(r["error"] is None and r["token_ids"] for r in got[:13])
     # Run again: every row is already there, nothing is added.
     parts = sorted(p.name for p in out.iterdir())
-    assert run(argv) == 0
+    again = gptgen_batch(*argv)
+    assert again.returncode == 0 and re.fullmatch(WROTE.format(ran=0, skipped=14), again.stderr), again.stderr
     assert read_parts(out) == expected
     assert len(parts) <= len(list(out.iterdir()))
 
@@ -85,8 +121,8 @@ def test_parquet_on_ray_equals_parquet_locally(cluster, ckpt, tmp_path):
     local = tmp_path / "local.parquet"
     run_file(generate.load(ckpt), tmp_path / "in.parquet", local, Defaults(max_new_tokens=8), slots=4)
     out = tmp_path / "ray_out"
-    argv = [tmp_path / "in.parquet", out, "-c", ckpt, *OPTIONS, "--ray", cluster.address, "--workers", "2"]
-    assert run(argv) == 0
+    done = gptgen_batch(tmp_path / "in.parquet", out, "-c", ckpt, *OPTIONS, "--ray", cluster)
+    assert done.returncode == 0 and re.fullmatch(WROTE.format(ran=12, skipped=0), done.stderr), done.stderr
     got = sorted(pq.read_table(out).to_pylist(), key=lambda r: r["id"])
     assert got == pq.read_table(local).to_pylist()
 
@@ -95,14 +131,59 @@ def test_parquet_on_ray_equals_parquet_locally(cluster, ckpt, tmp_path):
     ("options", "match"),
     [(["--cpus-per-worker", "3"], r"--cpus-per-worker 3 is more than any node .* has \(at most 2\)"),
      (["--workers", "4"], r"4 workers x 1 CPUs and one CPU .* need 5 CPUs, but the cluster has 4"),
-     (["-c", "/nonexistent/ck"], r"a Ray worker failed: .*checkpoint path /nonexistent/ck does not exist")],
+     (["-c", "/nonexistent/ck"],
+      r"a Ray worker failed: .*checkpoint path /nonexistent/ck does not exist \(Ray's logs: (\S+)\)$")],
 )  # fmt: skip
-def test_a_job_the_cluster_cannot_run_is_one_line_of_error(cluster, ckpt, tmp_path, capsys, options, match):
+def test_a_job_the_cluster_cannot_run_is_one_line_of_error(cluster, ckpt, tmp_path, options, match):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:4]))
-    argv = [source, tmp_path / "out", "-c", ckpt, *OPTIONS, "--ray", cluster.address, *options]
-    assert run(argv) == 1
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert re.search(match, err), err
+    done = gptgen_batch(source, tmp_path / "out", "-c", ckpt, *OPTIONS, "--ray", cluster, *options)
+    # Exit 1 and one line, though a worker's failure makes Ray print tracebacks from the driver and the
+    # cluster (some on standard output) and its core worker log an error from C++.
+    assert done.returncode == 1 and done.stdout == "", done.stdout[-3000:]
+    err = done.stderr
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    found = re.search(match, err.strip())
+    assert found and err.startswith("gptgen batch: error: "), err
+    if found.groups():  # the logs named are there (the cluster runs on this machine)
+        assert Path(found.group(1)).is_dir()
     assert not (tmp_path / "out").exists()
+
+
+def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from generate.ray_batch import _rows_in, _watching
+
+    (tmp_path / "old.json").write_text('{"id": 0}\n' * 5)  # a part file of an earlier run
+    seen = []
+    with _watching(tmp_path, "json", 7, lambda done, total: seen.append((done, total))):
+        (tmp_path / "a.json").write_text('{"id": 1}\n{"id": 2}\n')
+        time.sleep(1.3)
+        (tmp_path / "b.json").write_text('{"id": 3}\n' * 9)  # more than the total: shown as the total
+        time.sleep(1.3)
+    assert seen[0] == (2, 7) and seen[-1] == (7, 7) and all(total == 7 for _, total in seen)
+    pq.write_table(pa.Table.from_pylist([{"id": i} for i in range(6)]), tmp_path / "c.parquet")
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 half written")
+    assert _rows_in(tmp_path / "c.parquet", "parquet") == 6
+    assert _rows_in(tmp_path / "d.parquet", "parquet") == 0 and _rows_in(tmp_path / "gone", "json") == 0
+
+
+def test_only_the_yielded_stream_reaches_the_console_while_ray_runs(capfd):
+    import os
+
+    from generate.ray_batch import console_to_null
+
+    print("before", file=sys.stderr)
+    with console_to_null() as stderr:
+        os.write(1, b"C++ on stdout\n")
+        os.write(2, b"C++ on stderr\n")
+        print("Python on stdout")
+        print("Python on stderr", file=sys.stderr)
+        print("ours", file=stderr)
+    print("after", file=sys.stderr)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "before\nours\nafter\n"
