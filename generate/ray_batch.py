@@ -142,15 +142,18 @@ def console_to_null() -> Iterator[TextIO]:
     for stream in streams:
         if stream is not None:
             stream.flush()
-    saved = os.dup(1), os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
+    saved = {fd: _dup_high(fd) for fd in (1, 2)}  # None: closed (a command run with 1>&- or 2>&-)
+    opened = os.open(os.devnull, os.O_WRONLY)
+    null = _dup_high(opened)
+    os.close(opened)
+    real_fd = _dup_high(2 if saved[2] is not None else null)
     with (
-        os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="backslashreplace") as real,
-        open(os.devnull, "w", encoding="utf-8") as quiet,  # for code that looks up sys.stdout or sys.stderr
+        os.fdopen(real_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace") as real,
+        os.fdopen(_dup_high(null), "w", encoding="utf-8") as quiet,  # for code that looks up sys.stdout/err
     ):
         try:
-            os.dup2(null, 1)
-            os.dup2(null, 2)
+            for fd in saved:
+                os.dup2(null, fd)
             sys.stdout = sys.stderr = quiet
             yield real
         finally:
@@ -158,10 +161,26 @@ def console_to_null() -> Iterator[TextIO]:
             for stream in streams:
                 if stream is not None:
                     stream.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in (*saved, null):
-                os.close(fd)
+            for fd, copy in saved.items():
+                if copy is None:  # closed before: closed again
+                    os.close(fd)
+                else:
+                    os.dup2(copy, fd)
+                    os.close(copy)
+            os.close(null)
+
+
+def _dup_high(fd: int) -> int | None:
+    """A duplicate of ``fd`` numbered 3 or more (so that it cannot take a closed standard stream's number),
+    or None where ``fd`` is not open."""
+    try:
+        try:
+            import fcntl
+        except ImportError:  # (Windows)
+            return os.dup(fd)
+        return fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
+    except OSError:
+        return None
 
 
 @contextmanager
@@ -178,13 +197,18 @@ def _watching(
     stop = threading.Event()
 
     def rows_written() -> int:
-        for entry in os.scandir(folder):
-            if entry.name in before or not entry.is_file():
+        rows = 0
+        for entry in os.scandir(folder):  # the files there now (one renamed or removed counts no more)
+            try:
+                if entry.name in before or not entry.is_file():
+                    continue
+                size = entry.stat().st_size
+            except OSError:  # gone since the listing
                 continue
-            size = entry.stat().st_size
             if counted.get(entry.name, (-1, 0))[0] != size:
                 counted[entry.name] = (size, _rows_in(Path(entry.path), fmt))
-        return sum(rows for _, rows in counted.values())
+            rows += counted[entry.name][1]
+        return rows
 
     def watch() -> None:
         while not stop.wait(1.0):

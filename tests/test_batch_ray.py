@@ -187,3 +187,26 @@ def test_only_the_yielded_stream_reaches_the_console_while_ray_runs(capfd):
     print("after", file=sys.stderr)
     out, err = capfd.readouterr()
     assert out == "" and err == "before\nours\nafter\n"
+
+
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_closed_standard_stream_stays_closed_and_takes_nothing(closed):
+    # A command run with 1>&- (or 2>&-): that fd is /dev/null during the job (Ray may write there) and closed
+    # again after, and none of the descriptors the redirect holds takes its number meanwhile.
+    code = (
+        "import os, sys\n"
+        f"os.close({closed})\n"
+        "from generate.ray_batch import console_to_null\n"
+        "with console_to_null() as err:\n"
+        "    os.write(1, b'C++ on stdout')\n"
+        "    os.write(2, b'C++ on stderr')\n"
+        "    print('ours', file=err)\n"
+        "try:\n"
+        f"    os.fstat({closed})\n"
+        "except OSError:\n"
+        "    sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    assert done.stderr == ("ours\n" if closed == 1 else "")  # with stderr closed, ours goes nowhere
