@@ -172,13 +172,13 @@ def console_to_null() -> Iterator[TextIO]:
 
 def _dup_high(fd: int) -> int | None:
     """A duplicate of ``fd`` numbered 3 or more (so that it cannot take a closed standard stream's number),
-    or None where ``fd`` is not open."""
+    not inherited by child processes (as ``os.dup``'s), or None where ``fd`` is not open."""
     try:
         try:
             import fcntl
         except ImportError:  # (Windows)
             return os.dup(fd)
-        return fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
+        return fcntl.fcntl(fd, getattr(fcntl, "F_DUPFD_CLOEXEC", fcntl.F_DUPFD), 3)
     except OSError:
         return None
 
