@@ -75,6 +75,11 @@ def decode_spans(max_len: int) -> tuple[int, ...]:
     return (*spans, max_len)
 
 
+def _count_or_none(value: object) -> bool:
+    """Whether a kept route answer is one its measurement could give: a positive int, or None."""
+    return value is None or (type(value) is int and value > 0)
+
+
 def _next(count: int, counts: tuple[int, ...]) -> int:
     """The smallest of ``counts`` (ascending) that holds ``count``, or ``count`` itself past the last."""
     return next((c for c in counts if c >= count), count)
@@ -136,7 +141,7 @@ class Runner:
             "upcast-rows",
             facts,
             lambda: upcast_min_rows(model),
-            lambda v: v is None or (type(v) is int and v > 0),
+            _count_or_none,
         )
         self.onednn_prefill = self.upcast_rows is None and recorded(
             "onednn-prefill", {**facts, "rows": PACK_ROWS[1]}, lambda: onednn_pays(model, PACK_ROWS[1])
@@ -159,14 +164,14 @@ class Runner:
                 "head-blocks",
                 {**shape, "onednn": self.onednn},
                 self._measure_head_blocks,
-                lambda v: v is None or (type(v) is int and v > 0),
+                _count_or_none,
             )
             blocks = torch.get_num_threads()
             self.body_blocks = recorded(
                 "body-blocks",
                 {**shape, "onednn": self.onednn, "head_blocks": self.head_blocks, "blocks": blocks},
                 lambda: self._measure_body_blocks(blocks),
-                lambda v: v is None or (type(v) is int and v > 0),
+                _count_or_none,
             )
             self.upcast_decode = (
                 self.upcast_rows is not None
@@ -212,7 +217,7 @@ class Runner:
                 best[i] = min(best[i], time.perf_counter() - start)
         faster = best[1] < by * best[0]
         setattr(self, route, on if faster else off)
-        key = (self.onednn, self.head_blocks, self.body_blocks)
+        key = self._route_key
         self._routed = {key: self._routed[key]} if key in self._routed else {}
         return faster
 
@@ -233,12 +238,17 @@ class Runner:
         :attr:`body_blocks`, a copy of its modules sharing its tensors whose fp32 products take those routes
         (:func:`generate.kernels.decode_copy`), taken at its first use (modules swapped in the model after
         that are not seen by the eager step)."""
-        key = (self.onednn, self.head_blocks, self.body_blocks)
+        key = self._route_key
         if key == (False, None, None):
             return self.model
         if key not in self._routed:
             self._routed[key] = decode_copy(self.model, onednn=key[0], head_blocks=key[1], body_blocks=key[2])
         return self._routed[key]
+
+    @property
+    def _route_key(self) -> tuple[bool, int | None, int | None]:
+        """The eager decode step's fp32 routes, as :attr:`_routed` keys its module copies."""
+        return self.onednn, self.head_blocks, self.body_blocks
 
     @property
     def packs(self) -> bool:

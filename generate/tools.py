@@ -366,7 +366,6 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                 slots=args.batch_size,
                 progress=None if args.no_progress else _progress(start, "generating", "rows", stderr),
             )
-        _clear_progress()
         where = "on Ray"
     else:
         from generate.batch import run_file
@@ -381,8 +380,8 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             slots=args.batch_size,
             progress=None if show is None else lambda done, total, tokens: show(done, total),
         )
-        _clear_progress()
         where = "locally"
+    _clear_progress()
     seconds = time.perf_counter() - start
     print(
         f"wrote {args.output}: {ran:,} rows ({skipped:,} already there) in {seconds:.1f} s {where} "
