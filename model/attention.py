@@ -218,6 +218,7 @@ class CausalAttention(nn.Module):
         # positions, 2.9 ms instead of 4.0 at 8 rows x 1,024. A prompt's many queries run them in the cache's
         # dtype, where native bf16 is the faster (a 512-token prompt's, all 12 layers: 47 ms in bf16 against
         # 122 in fp32), with the softmax in fp32: their scores are rounded to 16 bits once more than SDPA's.
+        # (Where bf16 is emulated, the runner's upcast mode runs those products in fp32: generate/kernels.py.)
         work = shared.bias.dtype
         if torch.compiler.is_compiling():  # the mask as masked_fill, which inductor fuses with the softmax
             # (a compiled int8 step at batch 1 took 4% longer with the baddbmm of the eager step)

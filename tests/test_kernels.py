@@ -239,6 +239,32 @@ def test_upcast_products_equal_fp32_products_rounded_to_bf16(rows, monkeypatch):
         assert torch.equal(got, plain)  # below min_rows: F.linear itself
 
 
+@pytest.mark.parametrize("queries", [1, 5, 9])
+def test_upcast_attention_products_equal_fp32_products_rounded_to_bf16(queries, monkeypatch):
+    # A prompt's attention products (``@`` and torch.matmul of bf16 tensors, 4-d as in model/attention.py):
+    # from min_rows query rows they run in fp32 and are rounded once, else as they are.
+    import generate.kernels as kernels
+
+    upcast, real = [], kernels._upcast_matmul
+    monkeypatch.setattr(kernels, "_upcast_matmul", lambda x, y: upcast.append(1) or real(x, y))
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, queries, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 3, 9, 64, dtype=torch.bfloat16), torch.randn(2, 3, 9, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        with UpcastBF16(min_rows=5):
+            scores = q @ k.transpose(-2, -1)
+            out = torch.matmul(scores, v)
+            fp32_alone = q.float() @ k.float().transpose(-2, -1)  # fp32 operands: never touched
+        plain = q @ k.transpose(-2, -1)
+    assert scores.dtype == out.dtype == torch.bfloat16 and fp32_alone.dtype == torch.float32
+    if queries >= 5:
+        assert len(upcast) == 2
+        assert torch.equal(scores, (q.float() @ k.float().transpose(-2, -1)).to(torch.bfloat16))
+        assert torch.equal(out, (scores.float() @ v.float()).to(torch.bfloat16))
+    else:
+        assert not upcast and torch.equal(scores, plain)  # below min_rows: the bf16 product itself
+
+
 def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):
     import generate.kernels as kernels
 
