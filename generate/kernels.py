@@ -414,7 +414,7 @@ def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple
     has the same kinds and shapes) at each of ``row_counts`` rows, and on the output head at each of
     ``head_counts``: the rows of each call, taken at two places, against the same rows inside a call of the
     largest count. Random inputs: a kernel's summation order depends on shapes, not values. Run it under
-    the kernel routes the calls will use.
+    the kernel routes the calls will use; a layer given no counts is not checked.
     """
     block, cfg = model.h[0], model.config
     layers = [(block.ln_1, cfg.n_embd, row_counts), (block.attn.c_attn, cfg.n_embd, row_counts),
@@ -424,6 +424,8 @@ def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple
     generator = torch.Generator(device=model.device).manual_seed(0)
     with torch.inference_mode():
         for layer, width, counts in layers:
+            if not counts:
+                continue
             most = max(counts)
             x = torch.randn(most, width, generator=generator, **options)
             whole = layer(x)

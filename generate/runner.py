@@ -221,12 +221,17 @@ class Runner:
         self._routed = {key: self._routed[key]} if key in self._routed else {}
         return faster
 
-    def _eager_routes(self, decode: bool, rows: int | None = None) -> contextlib.AbstractContextManager:
+    def _eager_routes(
+        self, decode: bool, rows: int | None = None, upcast: bool = True
+    ) -> contextlib.AbstractContextManager:
         """The eager kernel routes of a decode step or a prefill whose products have at most ``rows`` rows
-        (None: any). The bf16 upcast mode is entered only where a product can reach its row count: a mode
-        costs microseconds on every torch call (on an emulated-bf16 CPU, a GPT-2 124M batch-1 step took
-        1.2x as long inside a mode that never applied), and without it the same kernels run."""
+        (None: any); ``upcast=False`` leaves bf16 products as they are. The bf16 upcast mode is entered only
+        where a product can reach its row count: a mode costs microseconds on every torch call (on an
+        emulated-bf16 CPU, a GPT-2 124M batch-1 step took 1.2x as long inside a mode that never applied),
+        and without it the same kernels run."""
         if self.upcast_rows is not None:
+            if not upcast:
+                return contextlib.nullcontext()
             applies = (rows is None or rows >= self.upcast_rows) and (self.upcast_decode or not decode)
             return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
         if decode:  # (its fp32 routes are a copy of the model's modules, _decode_model: no mode)
@@ -259,9 +264,11 @@ class Runner:
         key = json.dumps([facts, torch.get_num_threads()], sort_keys=True)
         if key not in _independent:
 
-            def check() -> bool:
+            def check() -> bool:  # under the routes _packed takes: the head's without the upcast mode
                 with self._eager_routes(decode=False):
-                    return rows_independent(self.model, PACK_ROWS, PACK_HEAD_ROWS)
+                    body = rows_independent(self.model, PACK_ROWS, ())
+                with self._eager_routes(decode=False, upcast=False):
+                    return body and rows_independent(self.model, (), PACK_HEAD_ROWS)
 
             _independent[key] = recorded("packed-prefill", facts, check)
         return _independent[key]
@@ -298,8 +305,12 @@ class Runner:
         segments = [(slot, n) for (_, slot), n in zip(prompts, lengths, strict=True)]
         with self._eager_routes(decode=False, rows=len(ids)):
             hidden = self.model.packed_prefill(ids, self.cache, segments)
-            rows = hidden.new_zeros(_next(len(prompts), PACK_HEAD_ROWS), hidden.shape[1])
-            rows[: len(prompts)] = hidden[last]
+        rows = hidden.new_zeros(_next(len(prompts), PACK_HEAD_ROWS), hidden.shape[1])
+        rows[: len(prompts)] = hidden[last]
+        # The head's few rows (2-16) stay out of the bf16 upcast mode: where its row count fell among them,
+        # a prompt's head would take the route in one pack and not in another (a row's bits would differ,
+        # and packing was refused: GPT-2 124M, bf16 emulated on a Zen 4, 16 rows).
+        with self._eager_routes(decode=False, upcast=False):
             logits = self.model.wte.project(rows)
         return list(logits[: len(prompts)])
 

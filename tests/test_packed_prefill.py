@@ -124,3 +124,43 @@ def test_bad_segments_are_refused(segments):
         model.packed_prefill(
             torch.zeros(32, dtype=torch.long), KVCache(CONFIG, 2, CONFIG.n_positions), segments
         )
+
+
+def test_a_packed_pass_runs_its_head_outside_the_bf16_upcast_mode(monkeypatch, tmp_path):
+    # Where bf16 is emulated, the body's products take the upcast mode from its row count and the head's few
+    # rows (2-16) never do: with a count among them, a prompt's head would take the route in one pack and not
+    # in another. The packing check runs each part under the routes the pass gives it.
+    import generate.kernels as kernels
+    import generate.runner as runner_module
+    from generate.kernels import UpcastBF16
+
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runner_module, "upcast_min_rows", lambda model: 4)
+    monkeypatch.setattr(runner_module, "_independent", {})
+    model = model_in("bfloat16")
+
+    def in_mode() -> bool:
+        return any(isinstance(m, UpcastBF16) for m in torch.overrides._get_current_function_mode_stack())
+
+    checked = []
+    real_check = runner_module.rows_independent
+    monkeypatch.setattr(
+        runner_module,
+        "rows_independent",
+        lambda m, rows, heads: checked.append((rows, heads, in_mode())) or real_check(m, rows, heads),
+    )
+    runner = new_runner(model, 3)
+    assert runner.upcast_rows == 4 and runner.packs
+    assert checked == [(PACK_ROWS, (), True), ((), PACK_HEAD_ROWS, False)]
+    upcast = []
+    real_upcast = kernels._upcast_linear
+    monkeypatch.setattr(
+        kernels, "_upcast_linear", lambda x, w, b=None: upcast.append(w.shape[0]) or real_upcast(x, w, b)
+    )
+    ps = prompts([4, 9, 2], CONFIG.vocab_size)  # one pass of 16 rows; a head of 4 rows, at the count of 4
+    with torch.inference_mode():
+        packed = runner.prefill_many([(p, slot) for slot, p in enumerate(ps)])
+    assert upcast and CONFIG.vocab_size not in upcast  # the body upcast, the head not
+    with torch.inference_mode():
+        alone = [runner.prefill_many([(p, 0)])[0] for p in ps]  # heads of 2 rows
+    assert all(torch.equal(a, b) for a, b in zip(packed, alone, strict=True))
