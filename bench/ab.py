@@ -10,7 +10,9 @@ B A A B ..., for one timed run each of ``generate.engine.generate_ids``: ``--tok
 of ``--batches`` prompts (16, 19, 22... tokens), prefill excluded (a run of one token is subtracted). A
 pair's ratio is this checkout's rate over the base's, taken a few seconds apart, so a machine whose speed
 drifts (here the same step took 14-24 ms within minutes) moves both sides of a pair; the median and
-quartiles of the pairs' ratios are printed. Only ``checkpoints.load`` and ``generate_ids`` of the other
+quartiles of the pairs' ratios are printed, with the range of read bandwidths measured before each pair
+(``--each`` prints every pair: some machines move between states in which routes compare differently).
+Only ``checkpoints.load`` and ``generate_ids`` of the other
 checkout are used (de505cf, before engine v2, has both). Eager only: the compiled step is measured by
 ``bench/bench.py``.
 """
@@ -36,6 +38,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,8", help="comma-separated prompt counts")
     p.add_argument("--pairs", type=int, default=30, help="timed runs of each side, per dtype and batch")
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt in a timed run")
+    p.add_argument("--each", action="store_true", help="print every pair, with the read bandwidth before it")
     p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.worker and not (Path(args.base) / "generate").is_dir():
@@ -101,10 +104,16 @@ def compare(base: Path, directory: str, dtype: str, batch: int, args: argparse.N
     sides = {"base": Side(base, directory, dtype, batch, args.tokens),
              "this": Side(ROOT, directory, dtype, batch, args.tokens)}  # fmt: skip
     rates: dict[str, list[float]] = {"base": [], "this": []}
+    bandwidths = []
     try:
         for i in range(args.pairs):
+            bandwidths.append(_read_gbs())
             for name in ("base", "this") if i % 2 == 0 else ("this", "base"):
                 rates[name].append(sides[name].rate())
+            if args.each:
+                this, base_rate = rates["this"][-1], rates["base"][-1]
+                print(f"  pair {i + 1}: read {bandwidths[-1]:5.1f} GB/s, this {this:7.2f} tok/s, base "
+                      f"{base_rate:7.2f}, ratio {this / base_rate:.3f}", flush=True)  # fmt: skip
     finally:
         for side in sides.values():
             side.close()
@@ -112,7 +121,29 @@ def compare(base: Path, directory: str, dtype: str, batch: int, args: argparse.N
     low, _, high = statistics.quantiles(ratios, n=4)
     print(f"{dtype:>9} batch {batch}: this {statistics.median(rates['this']):7.2f} tok/s, base "
           f"{statistics.median(rates['base']):7.2f}; this / base {statistics.median(ratios):.3f} "
-          f"(quartiles {low:.3f}-{high:.3f}, {len(ratios)} pairs)", flush=True)  # fmt: skip
+          f"(quartiles {low:.3f}-{high:.3f}, {len(ratios)} pairs; read {min(bandwidths):.0f}-"
+          f"{max(bandwidths):.0f} GB/s)", flush=True)  # fmt: skip
+
+
+_PROBE: list = []
+
+
+def _read_gbs() -> float:
+    """The read bandwidth now, in GB/s: a 256 MiB sum, best of 3 (about 30 ms). Some machines move between
+    states (a 2-vCPU VM here between about 32 and 55 GB/s, minutes apart) in which routes compare
+    differently, so each pair records it."""
+    import torch
+
+    if not _PROBE:
+        _PROBE.append(torch.ones(2**26))
+    x = _PROBE[0]
+    x.sum()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best / 1e9
 
 
 def main() -> None:
