@@ -2,10 +2,10 @@
 
 Prefill's routes (oneDNN for fp32 products, fp32 for bf16 products) are modes
 (:class:`~torch.overrides.TorchFunctionMode`) the runner enters around eager calls. A mode costs
-microseconds on every torch call, so the bf16 mode (which decode steps take too, where it pays) is entered
-only where a product reaches its row count, and the eager decode step's fp32 routes (oneDNN, and row blocks
-for the head and the linear layers) are a copy of the model's modules, sharing its tensors, whose layers
-call their kernels themselves (:func:`decode_copy`).
+microseconds on every torch call, so the bf16 mode is entered only where a product reaches its row count,
+and the eager decode step's routes (oneDNN, and row blocks for the head and the linear layers, in fp32; the
+upcast route in bf16) are a copy of the model's modules, sharing its tensors, whose layers call their
+kernels themselves (:func:`decode_copy`).
 
 **oneDNN for fp32 decode.** fp32 products of the eager decode step on the CPU can run in oneDNN's inner
 product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead
@@ -33,9 +33,11 @@ bf16: the same fp32 sums in another order. A prompt's attention products (bf16 `
 ``model/attention.py``) with at least ``min_rows`` queries run in fp32 too, rounded to bf16 once (GPT-2
 124M, AVX2 and bf16 emulated on a Zen 4: a 512-token prompt 0.88 s instead of 2.7, of which oneDNN's
 emulated bf16 batched products had taken 1.9). :func:`upcast_min_rows` checks the capability and,
-where bf16 is emulated, measures from how many rows it pays. Rows in an engine stay bitwise independent (a
-step's row count is fixed), but an engine whose steps take this route and one whose steps do not give a row
-different bits.
+where bf16 is emulated, measures from how many rows it pays. The eager decode step upcasts too, in
+smaller pieces (``DECODE_PIECE_BYTES``) whose products run in one block of rows per thread, so that each
+thread reads the half of a piece it converted (:func:`upcast_blocks_fit` checks that a row keeps its bits;
+whole steps decide). Rows in an engine stay bitwise independent (a step's row count is fixed), but an engine
+whose steps take an upcast route and one whose steps do not give a row different bits.
 """
 
 from __future__ import annotations
@@ -188,7 +190,12 @@ class _BlockedLinearModule(nn.Linear):
 
 
 def decode_copy(
-    model: GPT, *, onednn: bool, head_blocks: int | None = None, body_blocks: int | None = None
+    model: GPT,
+    *,
+    onednn: bool,
+    head_blocks: int | None = None,
+    body_blocks: int | None = None,
+    upcast_blocks: int | None = None,
 ) -> GPT:
     """A copy of the model's modules that shares every parameter and buffer (no weight is copied), for the
     eager decode step's routes: with ``onednn``, its fp32 CPU linear products, the tied head's included, run
@@ -196,11 +203,17 @@ def decode_copy(
     mode's cost on every torch call: a pass-through mode made an eager GPT-2 124M int8 decode step at batch 1
     2.4 ms longer, on a 2-core Zen 4); with ``head_blocks``, its fp32 head runs in that many row blocks
     (:func:`blocked_product`), and with ``body_blocks`` its linear layers (:func:`blocked_linear`, where
-    their outputs divide), whichever ``onednn`` says. The model itself is left as it is."""
+    their outputs divide), whichever ``onednn`` says; with ``upcast_blocks``, its bf16 CPU products, the
+    head's included, run in fp32 on upcast pieces of the weight in that many row blocks (one buffer of
+    pieces for all: :class:`Pieces`). The model itself is left as it is."""
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
+    pieces = Pieces()
     for module in routed.modules():
-        if type(module) is nn.Linear and body_blocks is not None:
+        if type(module) in (nn.Linear, TiedEmbedding) and upcast_blocks is not None:
+            module.__class__ = _UpcastLinearModule if type(module) is nn.Linear else _UpcastTiedEmbedding
+            module.blocks, module.pieces = upcast_blocks, pieces
+        elif type(module) is nn.Linear and body_blocks is not None:
             module.__class__ = _BlockedLinearModule
             module.blocks, module.onednn = body_blocks, onednn
         elif type(module) is nn.Linear and onednn:
@@ -274,15 +287,90 @@ def _same_in_every_position(product: Callable[..., torch.Tensor], x: torch.Tenso
 UPCAST_CHUNK_BYTES = 8 * 2**20
 
 
-def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A bf16 product computed in fp32, ``UPCAST_CHUNK_BYTES`` of upcast weight rows at a time."""
+# fp32 bytes of weight the decode step's upcast route (:func:`decode_copy`'s ``upcast_blocks``) upcasts at a
+# time. Each thread converts one half of a piece and then reads that half in the product: a piece stays in
+# cache between the two, and a half read by the other core must cross between the cores. GPT-2 124M's 49
+# decode products at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, against 51-58 ms in bf16: pieces
+# of 8 MiB 31-43 ms while the two vCPUs shared an L3, but 54-58 once they did not (a read bandwidth of
+# 55 GB/s instead of 32: the VM moves between the two); 2 MiB 35-41 and 45-47 ms.
+DECODE_PIECE_BYTES = 2 * 2**20
+
+
+class Pieces:
+    """One fp32 buffer of ``nbytes`` that upcast products write their pieces of weight into, made at first
+    use and kept, so that no piece is allocated (and its pages faulted in) afresh. Not for use by two
+    threads at once."""
+
+    def __init__(self, nbytes: int = DECODE_PIECE_BYTES) -> None:
+        self.nbytes = nbytes
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` upcast into the buffer (a view of it), or into a tensor of its own if it is larger."""
+        if weight.numel() > self.nbytes // 4:
+            return weight.float()
+        if self._buffer is None or self._buffer.device != weight.device:
+            self._buffer = torch.empty(self.nbytes // 4, device=weight.device)
+        return self._buffer[: weight.numel()].view(weight.shape).copy_(weight)
+
+
+def _upcast_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    blocks: int | None = None,
+    pieces: Pieces | None = None,
+) -> torch.Tensor:
+    """A bf16 product computed in fp32, ``UPCAST_CHUNK_BYTES`` (with ``pieces``, its ``nbytes``) of upcast
+    weight rows at a time, rounded to bf16. With ``blocks``, each piece's product runs in that many row
+    blocks (:func:`blocked_linear`, or :func:`blocked_product` for a piece whose rows ``blocks`` does not
+    divide; the decode step's route, one block per thread); with ``pieces``, the pieces are upcast into its
+    buffer. Every piece's product keeps a
+    row's bits wherever the row stands among the rows, as the blocks' batched products do (checked on the
+    machine before the decode route is taken: :func:`upcast_blocks_fit`)."""
     x32 = x.float()
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    step = max(1, UPCAST_CHUNK_BYTES // (4 * weight.shape[1]))
+    step = max(1, (UPCAST_CHUNK_BYTES if pieces is None else pieces.nbytes) // (4 * weight.shape[1]))
+    if blocks is not None:
+        step = max(blocks, step // blocks * blocks)
     for a in range(0, weight.shape[0], step):
+        piece = weight[a : a + step]
+        piece = piece.float() if pieces is None else pieces.take(piece)
         b = None if bias is None else bias[a : a + step].float()
-        out[..., a : a + step] = F.linear(x32, weight[a : a + step].float(), b)
+        if blocks is None:
+            y = F.linear(x32, piece, b)
+        elif len(piece) % blocks == 0:
+            y = blocked_linear(x32, piece, b, blocks)
+        else:  # (blocked_product's blocks overlap; a piece of fewer rows takes a block a row)
+            y = blocked_product(x32, piece, min(blocks, len(piece)))
+            y = y if b is None else y + b
+        out[..., a : a + step] = y
     return out
+
+
+class _UpcastLinearModule(nn.Linear):
+    """An ``nn.Linear`` whose bf16 CPU products run in fp32 on upcast pieces of its weight in :attr:`blocks`
+    row blocks (:func:`_upcast_linear`); others as ``F.linear``."""
+
+    blocks: int
+    pieces: Pieces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _bf16_cpu(x, self.weight) and self.weight.dim() == 2:
+            return _upcast_linear(x, self.weight, self.bias, self.blocks, self.pieces)
+        return super().forward(x)
+
+
+class _UpcastTiedEmbedding(TiedEmbedding):
+    """A :class:`TiedEmbedding` whose bf16 CPU head product runs as :class:`_UpcastLinearModule`'s do."""
+
+    blocks: int
+    pieces: Pieces
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        if _bf16_cpu(x, self.weight) and self.weight.dim() == 2:
+            return _upcast_linear(x, self.weight, None, self.blocks, self.pieces)
+        return super().project(x)
 
 
 def _upcast_matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -335,6 +423,36 @@ def bf16_native() -> bool:
         return False
 
 
+def bf16_emulated(model: GPT) -> bool:
+    """Whether ``model`` is a bf16 model on a CPU without native bf16 whose linear layers hold bf16 weights
+    (quantized layers have their own kernels): the models the upcast routes are for."""
+    if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
+        return False
+    layers = [m for m in model.h[0].modules() if isinstance(m, nn.Linear)]
+    weights = [getattr(m, "weight", None) for m in layers]
+    return bool(layers) and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
+
+
+def upcast_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
+    """Whether the decode step's bf16 products can run in fp32 on upcast pieces in ``blocks`` row blocks
+    (:func:`decode_copy`'s ``upcast_blocks``) at ``rows`` rows: a model :func:`bf16_emulated` says the upcast
+    routes are for, ``blocks`` > 1, and each of a block's linear layers and the head giving a row the same
+    bits in every position among the rows (:func:`_same_in_every_position`). Whether it pays is left to whole
+    steps (GPT-2 124M's products alone at 8 rows, AVX2 and bf16 emulated on a Zen 4: 37-43 ms against 51-62
+    in bf16; at 1 row 16 against 8)."""
+    if blocks < 2 or not bf16_emulated(model):
+        return False
+    layers = [(m.weight, m.bias) for m in model.h[0].modules() if isinstance(m, nn.Linear)]
+    pieces = Pieces()  # (the route's pieces: their rows are the products' shapes)
+    with torch.inference_mode():
+        return all(
+            _same_in_every_position(
+                _upcast_linear, torch.randn(rows, 1, w.shape[1]).bfloat16(), w, b, blocks, pieces
+            )
+            for w, b in [*layers, (model.wte.weight, None)]
+        )
+
+
 def upcast_min_rows(
     model: GPT, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), trials: int = 3
 ) -> int | None:
@@ -344,12 +462,10 @@ def upcast_min_rows(
     the largest. One measurement near a break-even can come out either way, and the answer is kept (GPT-2
     124M with AVX2 and bf16 emulated on a Zen 4: single measurements gave 8, 16 and once None, which left a
     512-token prompt's prefill 4.4 s instead of 2.7)."""
-    if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
+    if not bf16_emulated(model):
         return None
     mlp = model.h[0].mlp
-    layers = [(getattr(m, "weight", None), m.bias) for m in (mlp.c_fc, mlp.c_proj)]
-    if any(not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 for w, _ in layers):
-        return None  # quantized layers: their own kernels
+    layers = [(m.weight, m.bias) for m in (mlp.c_fc, mlp.c_proj)]
     answers = [_upcast_rows_once(layers, candidates) for _ in range(trials)]
     return sorted(answers, key=lambda rows: math.inf if rows is None else rows)[trials // 2]
 

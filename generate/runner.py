@@ -39,6 +39,7 @@ from generate.kernels import (
     rows_independent,
     spans_agree,
     step_spans_agree,
+    upcast_blocks_fit,
     upcast_min_rows,
 )
 from generate.routes import model_facts, recorded
@@ -49,6 +50,9 @@ from model import GPT, KVCache
 # most prompts in a pass). Few counts, so the check at start covers every one a pass can have.
 PACK_ROWS = (16, 32, 48, 64, 96, 128, 192, 256)
 PACK_HEAD_ROWS = (2, 4, 8, 16)
+
+# The eager decode step's routes (onednn, head_blocks, body_blocks, upcast_blocks), as Runner keys its copies.
+RouteKey = tuple[bool, int | None, int | None, int | None]
 
 # rows_independent's answers in this process, by what decides the kernels' summation order.
 _independent: dict[tuple, bool] = {}
@@ -110,11 +114,12 @@ class Runner:
             (:func:`generate.kernels.body_blocks_fit`) and whole steps are at least 3% faster so (decided
             after :attr:`head_blocks`).
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
-        upcast_rows: bf16 products of at least this many rows run in fp32 in eager calls (prefill, and the
-            eager decode step where :attr:`upcast_decode`), or None; measured on CPUs without native bf16
-            (:func:`generate.kernels.upcast_min_rows`).
-        upcast_decode: whether the eager decode step takes that route: where its rows reach
-            :attr:`upcast_rows`, whole steps are timed both ways when the runner is made.
+        upcast_rows: bf16 products of at least this many rows run in fp32 in eager prefills, or None;
+            measured on CPUs without native bf16 (:func:`generate.kernels.upcast_min_rows`).
+        upcast_blocks: the eager decode step's bf16 products run in fp32 on upcast pieces of the weight in
+            this many row blocks, one per thread (:func:`generate.kernels.decode_copy`), or None: on CPUs
+            without native bf16, where that gives every row the same bits in every place
+            (:func:`generate.kernels.upcast_blocks_fit`) and whole steps are at least 3% faster so.
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
@@ -124,8 +129,8 @@ class Runner:
         self.onednn = False
         self.head_blocks: int | None = None
         self.body_blocks: int | None = None
-        self.upcast_decode = False
-        self._routed: dict[tuple[bool, int | None, int | None], GPT] = {}  # _decode_model's copies, by route
+        self.upcast_blocks: int | None = None
+        self._routed: dict[RouteKey, GPT] = {}  # _decode_model's copies, by route
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
             from generate.compiled import compile_step
@@ -173,10 +178,11 @@ class Runner:
                 lambda: self._measure_body_blocks(blocks),
                 _count_or_none,
             )
-            self.upcast_decode = (
-                self.upcast_rows is not None
-                and cache.slots >= self.upcast_rows
-                and recorded("upcast-decode", shape, lambda: self._steps_faster_with("upcast_decode"))
+            self.upcast_blocks = recorded(
+                "upcast-blocks",
+                {**shape, "blocks": blocks},
+                lambda: self._measure_upcast_blocks(blocks),
+                _count_or_none,
             )
 
     def _measure_head_blocks(self) -> int | None:
@@ -195,6 +201,13 @@ class Runner:
         fits = body_blocks_fit(self.model, self.cache.slots, blocks)
         return blocks if fits and self._steps_faster_with("body_blocks", blocks, None) else None
 
+    def _measure_upcast_blocks(self, blocks: int) -> int | None:
+        """:attr:`upcast_blocks`: ``blocks`` where the bf16 products can run so and whole steps are at least
+        3% faster (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a Zen 4: 49-53 ms a step against 62-67,
+        while at 1 row the products alone took twice as long as in bf16)."""
+        fits = upcast_blocks_fit(self.model, self.cache.slots, blocks)
+        return blocks if fits and self._steps_faster_with("upcast_blocks", blocks, None) else None
+
     def _steps_faster_with(
         self, route: str, on: object = True, off: object = False, by: float = 0.97
     ) -> bool:
@@ -202,10 +215,10 @@ class Runner:
         each, alternated); leave it ``off`` unless ``on`` took less than ``by`` times as long (by default,
         at least 3% faster). A step's cost beyond its products does not show in a product's own timing: for
         :attr:`onednn`, the copy's Python ``forward`` methods (a mode, as this route once was, cost about
-        2.7 ms a step on the shipped 19M model); for :attr:`upcast_decode`, the rest of the step, which the
+        2.7 ms a step on the shipped 19M model); for an upcast route, the rest of the step, which the
         upcast pieces evict from cache (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a Zen 4: 70.7 ms a
-        step upcast against 59.8 plain, while the MLP products alone measured faster upcast). A model copy
-        made for a losing route is dropped."""
+        step with the pieces' products in ``F.linear`` against 59.8 plain, while the MLP products alone
+        measured faster upcast). A model copy made for a losing route is dropped."""
         tokens = torch.zeros(self.cache.slots, dtype=torch.long)
         best = [float("inf"), float("inf")]
         for _ in range(3):
@@ -225,35 +238,36 @@ class Runner:
         self, decode: bool, rows: int | None = None, upcast: bool = True
     ) -> contextlib.AbstractContextManager:
         """The eager kernel routes of a decode step or a prefill whose products have at most ``rows`` rows
-        (None: any); ``upcast=False`` leaves bf16 products as they are. The bf16 upcast mode is entered only
+        (None: any); ``upcast=False`` leaves bf16 products as they are. A decode step takes none: its routes
+        are a copy of the model's modules (:meth:`_decode_model`). The bf16 upcast mode is entered only
         where a product can reach its row count: a mode costs microseconds on every torch call (on an
         emulated-bf16 CPU, a GPT-2 124M batch-1 step took 1.2x as long inside a mode that never applied),
         and without it the same kernels run."""
-        if self.upcast_rows is not None:
-            if not upcast:
-                return contextlib.nullcontext()
-            applies = (rows is None or rows >= self.upcast_rows) and (self.upcast_decode or not decode)
-            return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
-        if decode:  # (its fp32 routes are a copy of the model's modules, _decode_model: no mode)
+        if decode:
             return contextlib.nullcontext()
+        if self.upcast_rows is not None:
+            applies = upcast and (rows is None or rows >= self.upcast_rows)
+            return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
         return OneDNNLinear() if self.onednn_prefill else contextlib.nullcontext()
 
     def _decode_model(self) -> GPT:
-        """The model the eager decode step calls: with :attr:`onednn`, :attr:`head_blocks` or
-        :attr:`body_blocks`, a copy of its modules sharing its tensors whose fp32 products take those routes
-        (:func:`generate.kernels.decode_copy`), taken at its first use (modules swapped in the model after
-        that are not seen by the eager step)."""
+        """The model the eager decode step calls: with :attr:`onednn`, :attr:`head_blocks`,
+        :attr:`body_blocks` or :attr:`upcast_blocks`, a copy of its modules sharing its tensors whose
+        products take those routes (:func:`generate.kernels.decode_copy`), taken at its first use (modules
+        swapped in the model after that are not seen by the eager step)."""
         key = self._route_key
-        if key == (False, None, None):
+        if key == (False, None, None, None):
             return self.model
         if key not in self._routed:
-            self._routed[key] = decode_copy(self.model, onednn=key[0], head_blocks=key[1], body_blocks=key[2])
+            onednn, head_blocks, body_blocks, upcast_blocks = key
+            self._routed[key] = decode_copy(self.model, onednn=onednn, head_blocks=head_blocks,
+                                            body_blocks=body_blocks, upcast_blocks=upcast_blocks)  # fmt: skip
         return self._routed[key]
 
     @property
-    def _route_key(self) -> tuple[bool, int | None, int | None]:
-        """The eager decode step's fp32 routes, as :attr:`_routed` keys its module copies."""
-        return self.onednn, self.head_blocks, self.body_blocks
+    def _route_key(self) -> RouteKey:
+        """The eager decode step's routes, as :attr:`_routed` keys its module copies."""
+        return self.onednn, self.head_blocks, self.body_blocks, self.upcast_blocks
 
     @property
     def packs(self) -> bool:

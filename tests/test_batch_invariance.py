@@ -94,8 +94,9 @@ def test_fp32_rows_are_bitwise_independent_on_every_eager_route(routes):
 
 
 def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
-    # Products of 2 rows or more in fp32 on upcast weights (generate/kernels.py): prefills and 3-row steps.
-    routes = {"upcast_rows": 2, "upcast_decode": True}
+    # Products in fp32 on upcast weights (generate/kernels.py): prefills of 2 rows or more in the upcast
+    # mode, and 3-row steps with their products in 2 row blocks.
+    routes = {"upcast_rows": 2, "upcast_blocks": 2}
     for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, **routes):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt

@@ -8,12 +8,16 @@ import torch.nn.functional as F
 from conftest import TINY_CONFIGS, make_model
 from generate.kernels import (
     OneDNNLinear,
+    Pieces,
     UpcastBF16,
     _BlockedLinearModule,
     _BlockedTiedEmbedding,
     _OneDNNLinearModule,
     _OneDNNTiedEmbedding,
     _same_in_every_position,
+    _upcast_linear,
+    _UpcastLinearModule,
+    _UpcastTiedEmbedding,
     blocked_linear,
     blocked_product,
     body_blocks_fit,
@@ -21,6 +25,7 @@ from generate.kernels import (
     head_blocks_pays,
     onednn_available,
     onednn_pays,
+    upcast_blocks_fit,
     upcast_min_rows,
 )
 from model import KVCache
@@ -263,6 +268,66 @@ def test_upcast_attention_products_equal_fp32_products_rounded_to_bf16(queries, 
         assert torch.equal(out, (scores.float() @ v.float()).to(torch.bfloat16))
     else:
         assert not upcast and torch.equal(scores, plain)  # below min_rows: the bf16 product itself
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_upcast_products_in_row_blocks_equal_fp32_products_and_keep_a_rows_bits(rows, bias, monkeypatch):
+    # The decode step's upcast route, in pieces of 7 weight rows' bytes into one buffer: with 2 or 3 blocks,
+    # pieces of 6 rows (whole blocks), which divide 96; with 5, pieces of 5 rows and a last one of 1 row
+    # (blocked_product with one block).
+    import generate.kernels as kernels
+
+    monkeypatch.setattr(kernels, "UPCAST_CHUNK_BYTES", 4 * 48 * 7)  # (fresh pieces: the same rows)
+    torch.manual_seed(0)
+    x = torch.randn(rows, 1, 48, dtype=torch.bfloat16)
+    w = torch.randn(96, 48, dtype=torch.bfloat16)
+    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    with torch.inference_mode():
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        for blocks in (2, 3, 5):
+            pieces = Pieces(4 * 48 * 7)
+            got = _upcast_linear(x, w, b, blocks, pieces)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 1, 96)
+            assert (got.float() - want).abs().max().item() <= 2**-7 * want.abs().max().item()  # 1 bf16 ulp
+            assert torch.equal(got, _upcast_linear(x, w, b, blocks))  # fresh pieces: the same bits
+            assert pieces._buffer is not None and pieces._buffer.numel() == 48 * 7
+            assert _same_in_every_position(_upcast_linear, x, w, b, blocks, pieces)
+
+
+def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_weights():
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(torch.bfloat16)
+    routed = decode_copy(model, onednn=False, upcast_blocks=2)
+    layers = [m for m in routed.modules() if isinstance(m, torch.nn.Linear)]
+    assert layers and all(type(m) is _UpcastLinearModule and m.blocks == 2 for m in layers)
+    assert type(routed.wte) is _UpcastTiedEmbedding and routed.wte.blocks == 2
+    assert len({id(m.pieces) for m in [*layers, routed.wte]}) == 1  # one buffer for every product
+    assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
+    assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
+    with torch.inference_mode():
+        got = routed(
+            ids, positions=positions, cache=KVCache(model.config, 3, 16, dtype=torch.bfloat16), span=16
+        )
+        want = model.float()(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
+        assert (got.float() - want).abs().max().item() <= 0.05  # bf16 activations, fp32 products
+        assert torch.equal(layers[0](torch.ones(2, 48)), F.linear(torch.ones(2, 48), layers[0].weight.float(),
+                                                                  layers[0].bias.float()))  # fmt: skip
+
+
+def test_upcast_blocks_fit_only_dense_bf16_models_where_bf16_is_emulated(monkeypatch):
+    import generate.kernels as kernels
+
+    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
+    monkeypatch.setattr(kernels, "bf16_native", lambda: True)
+    assert not upcast_blocks_fit(model, 3, 2)  # native bf16: its own products
+    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
+    assert upcast_blocks_fit(model, 3, 2) and upcast_blocks_fit(model, 1, 2)
+    assert not upcast_blocks_fit(model, 3, 1)  # one block is the product itself
+    assert not upcast_blocks_fit(make_model(TINY_CONFIGS["5x3x48"], seed=1), 3, 2)  # fp32
+    assert not upcast_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2)
+    monkeypatch.setattr(kernels, "_same_in_every_position", lambda *args: False)  # a row's bits moved
+    assert not upcast_blocks_fit(model, 3, 2)
 
 
 def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):

@@ -101,42 +101,36 @@ def test_a_second_runner_takes_the_kept_routes_without_measuring(cache_dir, monk
     assert [a[1] for a in measured] == [3, 3], [a[1:] for a in measured]  # oneDNN, then the head's blocks
 
 
-def test_decode_steps_take_the_upcast_route_only_where_whole_steps_were_faster(cache_dir, monkeypatch):
-    # The route's row count comes from products alone; a decode step reaching it is timed whole, both ways.
+def test_decode_steps_take_upcast_blocks_only_where_they_fit_and_steps_were_faster(cache_dir, monkeypatch):
+    # One block per thread; whole steps timed (held to 3%) only where the bf16 products take the blocks.
     model = make_model(CONFIG, seed=2).to(torch.bfloat16)
-    monkeypatch.setattr(generate.runner, "upcast_min_rows", lambda model: 2)
-    timed = []
-
-    def steps_faster(self, route):
-        timed.append((route, self.cache.slots))
-        return self.cache.slots == 4
-
-    monkeypatch.setattr(Runner, "_steps_faster_with", steps_faster)
-    made = {n: Runner(model, KVCache(CONFIG, n, 16, dtype=torch.bfloat16)) for n in (1, 3, 4)}
-    assert {n: (r.upcast_rows, r.upcast_decode) for n, r in made.items()} == {
-        1: (2, False),
-        3: (2, False),
-        4: (2, True),
-    }
-    assert timed == [("upcast_decode", 3), ("upcast_decode", 4)]  # a 1-row step never reaches 2 rows
-    assert Runner(model, KVCache(CONFIG, 4, 16, dtype=torch.bfloat16)).upcast_decode is True
-    assert len(timed) == 2  # kept
+    monkeypatch.setattr(generate.runner.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(generate.runner, "upcast_blocks_fit", lambda model, rows, blocks: rows > 1)
+    timed = steps_faster_at(monkeypatch, slots=3)
+    made = {n: Runner(model, KVCache(CONFIG, n, 16, dtype=torch.bfloat16)).upcast_blocks for n in (1, 2, 3)}
+    assert made == {1: None, 2: None, 3: 2}
+    assert timed == [("upcast_blocks", 2, None, 0.97, 2), ("upcast_blocks", 2, None, 0.97, 3)]
+    assert Runner(model, KVCache(CONFIG, 3, 16, dtype=torch.bfloat16)).upcast_blocks == 2 and len(timed) == 2
 
 
-@pytest.mark.parametrize(("off", "on", "faster"), [(2.0, 1.0, True), (1.0, 1.0, False), (1.0, 0.98, False)])
-def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkeypatch, off, on, faster):
-    from generate.kernels import UpcastBF16
+@pytest.mark.parametrize(("off", "on", "blocks"), [(2.0, 1.0, 2), (1.0, 1.0, None), (1.0, 0.98, None)])
+def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkeypatch, off, on, blocks):
+    from generate.kernels import UpcastBF16, _UpcastTiedEmbedding
 
     runner = Runner(
         make_model(CONFIG, seed=2).to(torch.bfloat16), KVCache(CONFIG, 3, 16, dtype=torch.bfloat16)
     )
-    runner.upcast_rows = 2
+    runner.upcast_rows, runner.upcast_blocks = 2, None
+    heads, project = [], _UpcastTiedEmbedding.project
+    monkeypatch.setattr(_UpcastTiedEmbedding, "project", lambda self, x: heads.append(1) or project(self, x))
     entered, enter = [], UpcastBF16.__enter__
     monkeypatch.setattr(UpcastBF16, "__enter__", lambda self: entered.append(1) or enter(self))
     ticks = iter([0.0, off, 10.0, 10.0 + on] * 3)  # each round: a step off, then a step on
     monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
-    assert runner._steps_faster_with("upcast_decode") is faster
-    assert runner.upcast_decode is faster and len(entered) == 3  # the three steps timed on the route
+    assert runner._steps_faster_with("upcast_blocks", 2, None) is (blocks is not None)
+    assert runner.upcast_blocks == blocks and len(heads) == 3  # the three steps timed on the route
+    assert not entered  # a decode step never enters the prefill's mode
+    assert list(runner._routed) == ([(False, None, None, 2)] if blocks else [])
 
 
 def steps_faster_at(monkeypatch, slots: int) -> list[tuple]:
@@ -181,7 +175,7 @@ def test_timing_the_head_in_row_blocks_leaves_it_as_the_clock_says(cache_dir, mo
     monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
     assert runner._measure_head_blocks() == blocks
     assert runner.head_blocks == blocks and len(heads) == 3  # the three steps timed in blocks
-    assert list(runner._routed) == ([(False, 4, None)] if blocks else [])  # a losing route's copy is dropped
+    assert list(runner._routed) == ([(False, 4, None, None)] if blocks else [])  # a loser's copy is dropped
     assert type(runner._decode_model().wte) is (_BlockedTiedEmbedding if blocks else TiedEmbedding)
 
 
