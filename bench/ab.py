@@ -20,6 +20,7 @@ checkout are used (de505cf, before engine v2, has both). Eager only: the compile
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -125,18 +126,18 @@ def compare(base: Path, directory: str, dtype: str, batch: int, args: argparse.N
           f"{max(bandwidths):.0f} GB/s)", flush=True)  # fmt: skip
 
 
-_PROBE: list = []
+@functools.cache
+def _probe():  # -> torch.Tensor (torch is imported where it is used)
+    import torch
+
+    return torch.ones(2**26)  # 256 MiB, made once
 
 
 def _read_gbs() -> float:
     """The read bandwidth now, in GB/s: a 256 MiB sum, best of 3 (about 30 ms). Some machines move between
     states (a 2-vCPU VM here between about 32 and 55 GB/s, minutes apart) in which routes compare
     differently, so each pair records it."""
-    import torch
-
-    if not _PROBE:
-        _PROBE.append(torch.ones(2**26))
-    x = _PROBE[0]
+    x = _probe()
     x.sum()
     best = float("inf")
     for _ in range(3):

@@ -9,7 +9,7 @@ the same requests (``--prompt`` random tokens each, ``--new`` greedy tokens) bot
 one process: its runner's spans set to every position alone, then to the spans it follows
 (``generate.runner.decode_spans``). Prints decode tokens per second (prefill and the first step excluded),
 medians over rounds, the ratio, and whether both ways chose the same tokens. Also what the check at start
-(``generate.kernels.spans_agree``) found on this machine: where it found spans that differ, the engine
+(``generate.probes.spans_agree``) found on this machine: where it found spans that differ, the engine
 reads every position, and the following rows are only a measurement.
 """
 

@@ -69,7 +69,7 @@ class Engine:
             reaches it finishes with ``"length"``. A step reads only the span that holds its rows
             (:class:`generate.runner.Runner`), one of 64, 96, 128, 192, ... and ``max_len`` itself: a
             ``max_len`` among these (:func:`generate.runner.next_span`) keeps that span bitwise safe to
-            follow on more machines (see :func:`generate.kernels.spans_agree`).
+            follow on more machines (see :func:`generate.probes.spans_agree`).
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled (see :class:`generate.runner.Runner`).

@@ -1,52 +1,49 @@
 """Eager kernel routes, chosen on the machine that runs them; ``model/`` itself only calls ``F.linear``.
 
 Prefill's routes (oneDNN for fp32 products, fp32 for bf16 products) are modes
-(:class:`~torch.overrides.TorchFunctionMode`) the runner enters around eager calls. A mode costs
-microseconds on every torch call, so the bf16 mode is entered only where a product reaches its row count,
-and the eager decode step's routes (oneDNN, and row blocks for the head and the linear layers, in fp32; the
-upcast route in bf16) are a copy of the model's modules, sharing its tensors, whose layers call their
-kernels themselves (:func:`decode_copy`).
+(:class:`~torch.overrides.TorchFunctionMode`) the runner enters around eager calls. A mode costs microseconds
+on every torch call, so the bf16 mode is entered only where a product reaches its row count, and the eager
+decode step's routes (oneDNN, and row blocks for the head and the linear layers, in fp32; the upcast route in
+bf16) are a copy of the model's modules, sharing its tensors, whose layers call their kernels themselves
+(:func:`decode_copy`).
 
 **oneDNN for fp32 decode.** fp32 products of the eager decode step on the CPU can run in oneDNN's inner
-product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead
-of ``F.linear`` (MKL). On a 2-core AMD EPYC Zen 4, one row (batch 1), GPT-2 124M's products took: head
-(50257 x 768) MKL 12.0 ms, oneDNN 6.1 ms; 3072 x 768 0.18 vs 0.09 ms; 768 x 768 about equal. Whether it pays
-depends on the CPU and the row count, so :func:`onednn_pays` measures it for the model at hand when an
-eager engine is made. Like MKL's, oneDNN's sums for a row depend on how many rows the product has, not on
-the other rows' values, so rows stay bitwise independent within an engine either way.
+product (``torch.ops.mkldnn._linear_pointwise``, the kernel ``torch.compile`` uses for CPU linears) instead of
+``F.linear`` (MKL). On a 2-core AMD EPYC Zen 4, one row (batch 1), GPT-2 124M's products took: head (50257 x
+768) MKL 12.0 ms, oneDNN 6.1 ms; 3072 x 768 0.18 vs 0.09 ms; 768 x 768 about equal. Whether it pays depends on
+the CPU and the row count, so :func:`generate.probes.onednn_pays` measures it for the model at hand when an
+eager engine is made. Like MKL's, oneDNN's sums for a row depend on how many rows the product has, not on the
+other rows' values, so rows stay bitwise independent within an engine either way.
 
-**Row blocks for the fp32 head in decode.** A wide head read by a few rows runs faster as one batched
-product over a few contiguous blocks of its rows (:func:`blocked_product`): GPT-2 124M's head at 1 row
-4.8 ms against oneDNN's 5.8 on the Zen 4, and a batch-1 step 18.5 ms against 20.4. At 8 rows oneDNN wins.
-:func:`head_blocks_pays` measures it for the model and row count at hand. The linear layers can run in one
-block of rows per thread too (:func:`blocked_linear`, the pre-v2 code's route, measured faster on a Zen 3);
-whole steps decide (on the Zen 4, 2.7% faster at batch 1: under the 3% the route asks, so not taken).
-Either way a row's bits must not depend on its place among the rows, which is checked before a route is
-taken (:func:`_same_in_every_position`).
+**Row blocks for the fp32 head in decode.** A wide head read by a few rows runs faster as one batched product
+over a few contiguous blocks of its rows (:func:`blocked_product`): GPT-2 124M's head at 1 row 4.8 ms against
+oneDNN's 5.8 on the Zen 4, and a batch-1 step 18.5 ms against 20.4. At 8 rows oneDNN wins.
+:func:`generate.probes.head_blocks_pays` measures it for the model and row count at hand. The linear layers
+can run in one block of rows per thread too (:func:`blocked_linear`, the pre-v2 code's route, measured faster
+on a Zen 3); whole steps decide (on the Zen 4, 2.7% faster at batch 1: under the 3% the route asks, so not
+taken). Either way a row's bits must not depend on its place among the rows, which is checked before a route
+is taken (:func:`generate.probes._same_in_every_position`).
 
-**fp32 for bf16 without native bf16.** On a CPU without AVX-512 bf16 or AMX, oneDNN emulates bf16 products
-and their time grows with the rows (measured before on a 2-core AMD EPYC Zen 3: GPT-2 124M's products 18 ms
-at 1 row, 118 ms at 8, 6.9 s at 512; computed in fp32 on upcast pieces of the weight, a 512-token prefill
-took 1.07 s instead of 5.07). :class:`UpcastBF16` runs bf16 products of at least ``min_rows`` rows in fp32
-on 8 MiB pieces of upcast weight (they stay in cache and the allocator reuses them) and rounds the result to
-bf16: the same fp32 sums in another order. A prompt's attention products (bf16 ``@`` in
-``model/attention.py``) with at least ``min_rows`` queries run in fp32 too, rounded to bf16 once (GPT-2
-124M, AVX2 and bf16 emulated on a Zen 4: a 512-token prompt 0.88 s instead of 2.7, of which oneDNN's
-emulated bf16 batched products had taken 1.9). :func:`upcast_min_rows` checks the capability and,
-where bf16 is emulated, measures from how many rows it pays. The eager decode step upcasts too, in
-smaller pieces (``DECODE_PIECE_BYTES``) whose products run in one block of rows per thread, so that each
-thread reads the half of a piece it converted (:func:`upcast_blocks_fit` checks that a row keeps its bits;
-whole steps decide). Rows in an engine stay bitwise independent (a step's row count is fixed), but an engine
-whose steps take an upcast route and one whose steps do not give a row different bits.
+**fp32 for bf16 without native bf16.** On a CPU without AVX-512 bf16 or AMX, oneDNN emulates bf16 products and
+their time grows with the rows (measured before on a 2-core AMD EPYC Zen 3: GPT-2 124M's products 18 ms at 1
+row, 118 ms at 8, 6.9 s at 512; computed in fp32 on upcast pieces of the weight, a 512-token prefill took 1.07
+s instead of 5.07). :class:`UpcastBF16` runs bf16 products of at least ``min_rows`` rows in fp32 on 8 MiB
+pieces of upcast weight (they stay in cache and the allocator reuses them) and rounds the result to bf16: the
+same fp32 sums in another order. A prompt's attention products (bf16 ``@`` in ``model/attention.py``) with at
+least ``min_rows`` queries run in fp32 too, rounded to bf16 once (GPT-2 124M, AVX2 and bf16 emulated on a Zen
+4: a 512-token prompt 0.88 s instead of 2.7, of which oneDNN's emulated bf16 batched products had taken 1.9).
+:func:`generate.probes.upcast_min_rows` checks the capability and, where bf16 is emulated, measures from how
+many rows it pays. The eager decode step upcasts too, in smaller pieces (``DECODE_PIECE_BYTES``) whose
+products run in one block of rows per thread, so that each thread reads the half of a piece it converted
+(:func:`generate.probes.upcast_blocks_fit` checks that a row keeps its bits; whole steps decide). Rows in an
+engine stay bitwise independent (a step's row count is fixed), but an engine whose steps take an upcast route
+and one whose steps do not give a row different bits.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from model import GPT, KVCache
+from model import GPT
 from model.embedding import TiedEmbedding
 
 
@@ -205,10 +202,19 @@ def decode_copy(
     (:func:`blocked_product`), and with ``body_blocks`` its linear layers (:func:`blocked_linear`, where
     their outputs divide), whichever ``onednn`` says; with ``upcast_blocks``, its bf16 CPU products, the
     head's included, run in fp32 on upcast pieces of the weight in that many row blocks (one buffer of
-    pieces for all: :class:`Pieces`). The model itself is left as it is."""
+    pieces for all: :class:`Pieces`). The model itself is left as it is.
+
+    Raises:
+        ValueError: if ``upcast_blocks`` comes with an fp32 route (its layers would take the upcast ones).
+    """
+    if upcast_blocks is not None and (onednn or head_blocks is not None or body_blocks is not None):
+        raise ValueError(
+            f"upcast_blocks={upcast_blocks} is a bf16 route and takes every layer; give it without onednn "
+            f"({onednn}), head_blocks ({head_blocks}) and body_blocks ({body_blocks})"
+        )
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
-    pieces = Pieces()
+    pieces = Pieces() if upcast_blocks is not None else None
     for module in routed.modules():
         if type(module) in (nn.Linear, TiedEmbedding) and upcast_blocks is not None:
             module.__class__ = _UpcastLinearModule if type(module) is nn.Linear else _UpcastTiedEmbedding
@@ -226,73 +232,16 @@ def decode_copy(
     return routed
 
 
-def body_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
-    """Whether the decode step's linear layers can run in ``blocks`` row blocks (:func:`blocked_linear`) at
-    ``rows`` rows: an fp32 CPU model with ``blocks`` > 1 whose block's ``nn.Linear`` layers take them, each
-    giving a row the same bits in every position among the rows (:func:`_same_in_every_position`). Whether
-    it pays is left to whole steps: one product's timing reads its weight from cache, where a step reads
-    it from memory."""
-    layers = [m for m in model.h[0].modules() if type(m) is nn.Linear]
-    if blocks < 2 or model.device.type != "cpu" or not layers:
-        return False
-    inputs = [torch.randn(rows, 1, m.in_features) for m in layers]
-    if not all(_divides(x, m.weight, blocks) for x, m in zip(inputs, layers, strict=True)):
-        return False
-    with torch.inference_mode():
-        return all(
-            _same_in_every_position(blocked_linear, x, m.weight, m.bias, blocks)
-            for x, m in zip(inputs, layers, strict=True)
-        )
-
-
-def head_blocks_pays(
-    model: GPT, rows: int, onednn: bool, candidates: tuple[int, ...] = (2, 4, 8)
-) -> int | None:
-    """How many row blocks (of ``candidates``) make this model's fp32 head fastest at ``rows`` rows, if
-    that is at least 5% faster than the head's product on the decode step's other route (oneDNN's inner
-    product with ``onednn``, else ``F.linear``) and a row gets the same bits in every position among the
-    rows (:func:`_same_in_every_position`); else None. Measured here on the head itself (best of 3 each;
-    about 0.2 s for GPT-2 124M). None unless the head is an fp32 CPU :class:`TiedEmbedding`."""
-    weight = getattr(model.wte, "weight", None)
-    if type(model.wte) is not TiedEmbedding or not isinstance(weight, torch.Tensor):
-        return None
-    x = torch.randn(rows, 1, weight.shape[1])
-    if model.device.type != "cpu" or not _blocks_take(x, weight, max(candidates)):
-        return None
-    other = _onednn_linear if onednn and onednn_available() else F.linear
-    with torch.inference_mode():
-        times = {blocks: _best_of(blocked_product, x, weight, blocks) for blocks in candidates}
-        baseline = _best_of(other, x, weight)
-        best = min(times, key=times.__getitem__)
-        if times[best] < 0.95 * baseline and _same_in_every_position(blocked_product, x, weight, best):
-            return best
-    return None
-
-
-def _same_in_every_position(product: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> bool:
-    """Whether ``product(rows, *args)`` gives the first of ``x``'s rows the same bits placed at each
-    position among other random rows (a kernel may sum a row in another order at another place: MKL did,
-    for a product of one weight row). Random values: the order depends on shapes, not values."""
-    want = product(x, *args)[0]
-    generator = torch.Generator(device=x.device).manual_seed(0)
-    for i in range(1, len(x)):
-        others = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-        others[i] = x[0]
-        if not torch.equal(product(others, *args)[i], want):
-            return False
-    return True
-
-
 # fp32 bytes of weight upcast at a time: small enough to stay in cache and be reused by the allocator.
 UPCAST_CHUNK_BYTES = 8 * 2**20
 
 
 # fp32 bytes of weight the decode step's upcast route (:func:`decode_copy`'s ``upcast_blocks``) upcasts at a
-# time. Each thread converts one half of a piece and then reads that half in the product: a piece stays in
-# cache between the two, and a half read by the other core must cross between the cores. GPT-2 124M's 49
-# decode products at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, against 51-58 ms in bf16: pieces
-# of 8 MiB 31-43 ms while the two vCPUs shared an L3, but 54-58 once they did not (a read bandwidth of
-# 55 GB/s instead of 32: the VM moves between the two); 2 MiB 35-41 and 45-47 ms.
+# time. Each thread converts its share of a piece and then reads that share in the product (one block per
+# thread): a piece stays in cache between the two, and a share read by another core must cross between them.
+# GPT-2 124M's 49 decode products at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, against 51-58 ms in
+# bf16: pieces of 8 MiB 31-43 ms while the two vCPUs shared an L3, but 54-58 once they did not (a read
+# bandwidth of 55 GB/s instead of 32: the VM moves between the two); 2 MiB 35-41 and 45-47 ms.
 DECODE_PIECE_BYTES = 2 * 2**20
 
 
@@ -310,7 +259,7 @@ class Pieces:
         if weight.numel() > self.nbytes // 4:
             return weight.float()
         if self._buffer is None or self._buffer.device != weight.device:
-            self._buffer = torch.empty(self.nbytes // 4, device=weight.device)
+            self._buffer = torch.empty(self.nbytes // 4, dtype=torch.float32, device=weight.device)
         return self._buffer[: weight.numel()].view(weight.shape).copy_(weight)
 
 
@@ -324,10 +273,9 @@ def _upcast_linear(
     """A bf16 product computed in fp32, ``UPCAST_CHUNK_BYTES`` (with ``pieces``, its ``nbytes``) of upcast
     weight rows at a time, rounded to bf16. With ``blocks``, each piece's product runs in that many row
     blocks (:func:`blocked_linear`, or :func:`blocked_product` for a piece whose rows ``blocks`` does not
-    divide; the decode step's route, one block per thread); with ``pieces``, the pieces are upcast into its
-    buffer. Every piece's product keeps a
-    row's bits wherever the row stands among the rows, as the blocks' batched products do (checked on the
-    machine before the decode route is taken: :func:`upcast_blocks_fit`)."""
+    divide; the decode step's route, one block per thread), which give a row the same bits wherever it
+    stands among the rows (checked on the machine before the route is taken:
+    :func:`generate.probes.upcast_blocks_fit`); with ``pieces``, the pieces are upcast into its buffer."""
     x32 = x.float()
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     step = max(1, (UPCAST_CHUNK_BYTES if pieces is None else pieces.nbytes) // (4 * weight.shape[1]))
@@ -421,198 +369,3 @@ def bf16_native() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
-
-
-def bf16_emulated(model: GPT) -> bool:
-    """Whether ``model`` is a bf16 model on a CPU without native bf16 whose linear layers hold bf16 weights
-    (quantized layers have their own kernels): the models the upcast routes are for."""
-    if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
-        return False
-    layers = [m for m in model.h[0].modules() if isinstance(m, nn.Linear)]
-    weights = [getattr(m, "weight", None) for m in layers]
-    return bool(layers) and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in weights)
-
-
-def upcast_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
-    """Whether the decode step's bf16 products can run in fp32 on upcast pieces in ``blocks`` row blocks
-    (:func:`decode_copy`'s ``upcast_blocks``) at ``rows`` rows: a model :func:`bf16_emulated` says the upcast
-    routes are for, ``blocks`` > 1, and each of a block's linear layers and the head giving a row the same
-    bits in every position among the rows (:func:`_same_in_every_position`). Whether it pays is left to whole
-    steps (GPT-2 124M's products alone at 8 rows, AVX2 and bf16 emulated on a Zen 4: 37-43 ms against 51-62
-    in bf16; at 1 row 16 against 8)."""
-    if blocks < 2 or not bf16_emulated(model):
-        return False
-    layers = [(m.weight, m.bias) for m in model.h[0].modules() if isinstance(m, nn.Linear)]
-    pieces = Pieces()  # (the route's pieces: their rows are the products' shapes)
-    with torch.inference_mode():
-        return all(
-            _same_in_every_position(
-                _upcast_linear, torch.randn(rows, 1, w.shape[1]).bfloat16(), w, b, blocks, pieces
-            )
-            for w, b in [*layers, (model.wte.weight, None)]
-        )
-
-
-def upcast_min_rows(
-    model: GPT, candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), trials: int = 3
-) -> int | None:
-    """From how many rows bf16 products of this model run faster upcast to fp32, or None (never, or not a
-    bf16 CPU model, or a CPU with native bf16: not measured there). Measured on one block's MLP products at
-    ``candidates`` rows (:func:`_upcast_rows_once`), ``trials`` times; the median answer, None counting as
-    the largest. One measurement near a break-even can come out either way, and the answer is kept (GPT-2
-    124M with AVX2 and bf16 emulated on a Zen 4: single measurements gave 8, 16 and once None, which left a
-    512-token prompt's prefill 4.4 s instead of 2.7)."""
-    if not bf16_emulated(model):
-        return None
-    mlp = model.h[0].mlp
-    layers = [(m.weight, m.bias) for m in (mlp.c_fc, mlp.c_proj)]
-    answers = [_upcast_rows_once(layers, candidates) for _ in range(trials)]
-    return sorted(answers, key=lambda rows: math.inf if rows is None else rows)[trials // 2]
-
-
-def _upcast_rows_once(
-    layers: list[tuple[torch.Tensor, torch.Tensor | None]], candidates: tuple[int, ...]
-) -> int | None:
-    """One measurement for :func:`upcast_min_rows`: the smallest of ``candidates`` from which the upcast
-    product of ``layers`` (weight, bias) won (by 5%) at every larger one, or None."""
-    wins = []
-    with torch.inference_mode():
-        for rows in candidates:
-            plain = upcast = 0.0
-            for w, b in layers:
-                x = torch.randn(rows, w.shape[1], dtype=torch.bfloat16)
-                plain += _best_of(F.linear, x, w, b, repeat=2)
-                upcast += _best_of(_upcast_linear, x, w, b, repeat=2)
-            wins.append(upcast < 0.95 * plain)
-    for i, rows in enumerate(candidates):
-        if all(wins[i:]):
-            return rows
-    return None
-
-
-def _best_of(fn: Any, *args: Any, repeat: int = 3) -> float:
-    fn(*args)
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn(*args)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def onednn_pays(model: GPT, rows: int) -> bool:
-    """Whether fp32 products of ``rows`` rows run faster in oneDNN than in ``F.linear`` for this model,
-    measured here on its output head and one block's products (a few products of each; under 0.2 s for
-    GPT-2 124M). False unless the model is fp32 on the CPU and oneDNN works."""
-    if model.device.type != "cpu" or model.compute_dtype != torch.float32 or not onednn_available():
-        return False
-    block = model.h[0]
-    products = (block.attn.c_attn, block.mlp.c_fc, block.mlp.c_proj)
-    layers = [
-        (getattr(model.wte, "weight", None), None),
-        *((getattr(m, "weight", None), m.bias) for m in products),
-    ]
-    if any(not isinstance(w, torch.Tensor) or w.dtype != torch.float32 for w, _ in layers):
-        return False  # quantized layers hold no fp32 weight
-    with torch.inference_mode():
-        aten = onednn = 0.0
-        for w, b in layers:
-            x = torch.randn(rows, 1, w.shape[1])
-            aten += _best_of(F.linear, x, w, b)
-            onednn += _best_of(_onednn_linear, x, w, b)
-    return onednn < 0.95 * aten
-
-
-def rows_independent(model: GPT, row_counts: tuple[int, ...], head_counts: tuple[int, ...]) -> bool:
-    """Whether the model's per-position layers give a row the same bits whatever else is in the call.
-
-    Checked on one block's layers (``ln_1``, the attention's two projections and the whole MLP; every block
-    has the same kinds and shapes) at each of ``row_counts`` rows, and on the output head at each of
-    ``head_counts``: the rows of each call, taken at two places, against the same rows inside a call of the
-    largest count. Random inputs: a kernel's summation order depends on shapes, not values. Run it under
-    the kernel routes the calls will use; a layer given no counts is not checked.
-    """
-    block, cfg = model.h[0], model.config
-    layers = [(block.ln_1, cfg.n_embd, row_counts), (block.attn.c_attn, cfg.n_embd, row_counts),
-              (block.attn.c_proj, cfg.n_embd, row_counts), (block.mlp, cfg.n_embd, row_counts),
-              (model.wte.project, cfg.n_embd, head_counts)]  # fmt: skip
-    options = {"dtype": model.compute_dtype, "device": model.device}
-    generator = torch.Generator(device=model.device).manual_seed(0)
-    with torch.inference_mode():
-        for layer, width, counts in layers:
-            if not counts:
-                continue
-            most = max(counts)
-            x = torch.randn(most, width, generator=generator, **options)
-            whole = layer(x)
-            for rows in counts:
-                for start in {0, (most - rows) // 2}:
-                    if not torch.equal(layer(x[start : start + rows]), whole[start : start + rows]):
-                        return False
-    return True
-
-
-def _positions_needing(
-    spans: tuple[int, ...], rows: int, generator: torch.Generator, device: torch.device
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """For each of ``spans`` but the last, twice: its index and (rows, 1) positions that need it (the first
-    row at the span's last position, then at its first past the span before; the other rows anywhere in
-    it). Both span checks compare their outputs over that span and every longer one at these."""
-    for i, span in enumerate(spans[:-1]):
-        for first in (span - 1, spans[i - 1] if i else 0):
-            positions = torch.randint(0, span, (rows, 1), generator=generator, device=device)
-            positions[0] = first
-            yield i, positions
-
-
-def spans_agree(model: GPT, rows: int, spans: tuple[int, ...]) -> bool:
-    """Whether the model's cached attention gives a decode step's row the same bits over any of ``spans``
-    (ascending) cache positions that hold the row's position.
-
-    Checked on one layer's attention (every layer has the same kind and shapes) at one new token for each
-    of ``rows`` rows, at :func:`_positions_needing` each span: the output over that span against the
-    output over every longer one. Random inputs: a kernel's summation order depends on shapes, not values.
-    Measured on a 2-core AMD EPYC Zen 4: spans of :func:`generate.runner.next_span` (64, 96, 128, ...)
-    agreed with each other in fp32, bf16 and fp16 (2,618 comparisons, 1 and 2 threads), while spans that
-    are not multiples of 16 sometimes did not (fp32, up to 1e-7 apart).
-    """
-    attn, cfg = model.h[0].attn, model.config
-    generator = torch.Generator(device=model.device).manual_seed(0)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, device=model.device).to(model.compute_dtype)
-
-    made = (cfg, rows, spans[-1], model.compute_dtype, model.device)  # one layer's, in the cache's layout
-    kv = (KVCache.buffer(*made), KVCache.buffer(*made))
-    for buffer in kv:
-        buffer.copy_(randn(*buffer.shape))
-    with torch.inference_mode():
-        for i, positions in _positions_needing(spans, rows, generator, model.device):
-            q, k, v = (randn(rows, cfg.n_head, 1, cfg.head_dim) for _ in range(3))
-            outputs = [attn._cached(q, k, v, positions, kv, longer) for longer in spans[i:]]
-            if not all(torch.equal(out, outputs[0]) for out in outputs[1:]):
-                return False
-    return True
-
-
-def step_spans_agree(
-    step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-    cache: KVCache,
-    spans: tuple[int, ...],
-    vocab_size: int,
-) -> bool:
-    """Whether a compiled decode ``step`` over ``cache`` gives every row the same logits over any of
-    ``spans`` (ascending) cache positions that hold its position: :func:`spans_agree` for the whole step,
-    whose kernels the compiler made. At :func:`_positions_needing` each span, with random tokens, the
-    logits over that span against those over every longer one. It writes the cache at those positions (the
-    engine clears a slot as a request joins).
-    """
-    device = cache.k[0].device
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.inference_mode():
-        for i, positions in _positions_needing(spans, cache.slots, generator, device):
-            tokens = torch.randint(0, vocab_size, (cache.slots, 1), generator=generator, device=device)
-            logits = [step(tokens.clone(), positions.clone(), longer).clone() for longer in spans[i:]]
-            if not all(torch.equal(out, logits[0]) for out in logits[1:]):
-                return False
-    return True

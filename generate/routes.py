@@ -5,8 +5,8 @@ The runner's eager routes (:mod:`generate.kernels`) are chosen by measurements t
 second and, near a break-even, can come out either way. Each decision is kept in ``routes.json`` in the
 cache directory (:func:`generate.compiled.cache_dir`), keyed by a digest of what it depends on: the CPU and
 thread count, torch's version, the source of ``model/`` and of the compiled step's module, the model's layer
-kinds and sizes, its dtype and device, the source of the route code (``kernels.py``, ``runner.py``, this
-module), and the decision's own shape (rows, slots). A key not there is
+kinds and sizes, its dtype and device, the source of the route code (``kernels.py``, ``probes.py``,
+``runner.py``, this module), and the decision's own shape (rows, slots). A key not there is
 measured and written; a directory that cannot be written, or a damaged file, only means measuring again.
 Delete the file to measure again.
 """
@@ -27,7 +27,7 @@ from model import GPT
 T = TypeVar("T")
 
 # Besides model/ (in the compiled step's code digest): the modules whose source a kept answer depends on.
-ROUTE_CODE = ("kernels.py", "runner.py", "routes.py")
+ROUTE_CODE = ("kernels.py", "probes.py", "runner.py", "routes.py")
 
 
 def model_facts(model: GPT) -> dict[str, object]:

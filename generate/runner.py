@@ -5,7 +5,7 @@ Prefill is eager (prompts have many lengths). Prompts that join in the same step
 prompt's attention runs alone, with the shapes it has alone. A pass's positions are padded to one of a few
 row counts (:data:`PACK_ROWS`; a longer prompt runs alone, unpadded) and the output head's rows to one of
 :data:`PACK_HEAD_ROWS`. Packing is used only where a check at start
-(:func:`generate.kernels.rows_independent`) finds that at every one of these counts a row's bits do not
+(:func:`generate.probes.rows_independent`) finds that at every one of these counts a row's bits do not
 depend on the other rows: a prompt's logits and cache are then the same in any pass as alone, a single
 prompt included (it is a pass of one). Elsewhere each prompt is prefilled alone.
 
@@ -14,8 +14,8 @@ positions that holds every row's position: the next of :func:`next_span`'s lengt
 ...; the cache's own length last), so a short request in an engine made for the whole window reads 64
 positions a step, not 1,024. A row's attention must then give the same bits over any of these spans, or
 its tokens would depend on how far the other rows have got; a check at start confirms that on the machine
-(eager: :func:`generate.kernels.spans_agree` on the model's attention; compiled:
-:func:`generate.kernels.step_spans_agree` on the whole step), and where it does not hold the step reads
+(eager: :func:`generate.probes.spans_agree` on the model's attention; compiled:
+:func:`generate.probes.step_spans_agree` on the whole step), and where it does not hold the step reads
 every position. Compiled on the CPU, the span is the step's one dynamic size (its other shapes are static,
 one graph); the CUDA step reads every position.
 """
@@ -29,11 +29,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generate.kernels import (
-    OneDNNLinear,
-    UpcastBF16,
+from generate.kernels import OneDNNLinear, UpcastBF16, decode_copy
+from generate.probes import (
     body_blocks_fit,
-    decode_copy,
     head_blocks_pays,
     onednn_pays,
     rows_independent,
@@ -99,27 +97,28 @@ class Runner:
 
     Attributes:
         spans: the spans the decode step reads (see the module docstring): :func:`decode_spans` of the
-            cache's length where the check holds (eager: :func:`generate.kernels.spans_agree`; compiled,
-            where the step takes a span: :func:`generate.kernels.step_spans_agree`), else the cache's
+            cache's length where the check holds (eager: :func:`generate.probes.spans_agree`; compiled,
+            where the step takes a span: :func:`generate.probes.step_spans_agree`), else the cache's
             length alone.
         onednn: whether the eager decode step runs its fp32 products in oneDNN
             (:func:`generate.kernels.decode_copy`): where the products alone are faster there
-            (:func:`generate.kernels.onednn_pays`), whole steps are timed both ways when the runner is made.
+            (:func:`generate.probes.onednn_pays`), whole steps are timed both ways when the runner is made.
         head_blocks: the eager decode step's fp32 head runs in this many row blocks
             (:func:`generate.kernels.blocked_product`), or None: where the head alone is faster so
-            (:func:`generate.kernels.head_blocks_pays`), whole steps are timed both ways, as for
+            (:func:`generate.probes.head_blocks_pays`), whole steps are timed both ways, as for
             :attr:`onednn` (decided after it).
         body_blocks: the eager decode step's fp32 linear layers run in this many row blocks, one per
             thread (:func:`generate.kernels.blocked_linear`), or None: where they can
-            (:func:`generate.kernels.body_blocks_fit`) and whole steps are at least 3% faster so (decided
+            (:func:`generate.probes.body_blocks_fit`) and whole steps are at least 3% faster so (decided
             after :attr:`head_blocks`).
         onednn_prefill: the same for prefill's fp32 products, measured at 32 rows.
-        upcast_rows: bf16 products of at least this many rows run in fp32 in eager prefills, or None;
-            measured on CPUs without native bf16 (:func:`generate.kernels.upcast_min_rows`).
+        upcast_rows: bf16 products of at least this many rows (linear layers, and a prompt's attention
+            products from this many queries) run in fp32 in eager prefills, or None; measured on CPUs
+            without native bf16 (:func:`generate.probes.upcast_min_rows`).
         upcast_blocks: the eager decode step's bf16 products run in fp32 on upcast pieces of the weight in
             this many row blocks, one per thread (:func:`generate.kernels.decode_copy`), or None: on CPUs
             without native bf16, where that gives every row the same bits in every place
-            (:func:`generate.kernels.upcast_blocks_fit`) and whole steps are at least 3% faster so.
+            (:func:`generate.probes.upcast_blocks_fit`) and whole steps are at least 3% faster so.
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
@@ -186,7 +185,7 @@ class Runner:
             )
 
     def _measure_head_blocks(self) -> int | None:
-        """:attr:`head_blocks`: the row blocks :func:`generate.kernels.head_blocks_pays` finds fastest for
+        """:attr:`head_blocks`: the row blocks :func:`generate.probes.head_blocks_pays` finds fastest for
         the head (at least 5% faster than the head's other product), if whole steps are no slower with them.
         Whole steps are not held to a 3% gain here: the head is only part of a step, and its gain is within
         their noise (GPT-2 124M at batch 1, AVX2 emulated on a Zen 4: steps 4-5% faster in blocks, but a
@@ -203,8 +202,9 @@ class Runner:
 
     def _measure_upcast_blocks(self, blocks: int) -> int | None:
         """:attr:`upcast_blocks`: ``blocks`` where the bf16 products can run so and whole steps are at least
-        3% faster (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a Zen 4: 49-53 ms a step against 62-67,
-        while at 1 row the products alone took twice as long as in bf16)."""
+        3% faster (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, taking turns in one
+        process: 54-56 ms a step against 67-71 while its vCPUs shared an L3, 63-67 against 61-64 while they
+        did not; at 1 row the products alone took twice as long as in bf16)."""
         fits = upcast_blocks_fit(self.model, self.cache.slots, blocks)
         return blocks if fits and self._steps_faster_with("upcast_blocks", blocks, None) else None
 
@@ -235,16 +235,14 @@ class Runner:
         return faster
 
     def _eager_routes(
-        self, decode: bool, rows: int | None = None, upcast: bool = True
+        self, rows: int | None = None, upcast: bool = True
     ) -> contextlib.AbstractContextManager:
-        """The eager kernel routes of a decode step or a prefill whose products have at most ``rows`` rows
-        (None: any); ``upcast=False`` leaves bf16 products as they are. A decode step takes none: its routes
-        are a copy of the model's modules (:meth:`_decode_model`). The bf16 upcast mode is entered only
-        where a product can reach its row count: a mode costs microseconds on every torch call (on an
-        emulated-bf16 CPU, a GPT-2 124M batch-1 step took 1.2x as long inside a mode that never applied),
-        and without it the same kernels run."""
-        if decode:
-            return contextlib.nullcontext()
+        """The eager kernel routes of a prefill whose products have at most ``rows`` rows (None: any);
+        ``upcast=False`` leaves bf16 products as they are. (A decode step's routes are a copy of the model's
+        modules, :meth:`_decode_model`: no mode.) The bf16 upcast mode is entered only where a product can
+        reach its row count: a mode costs microseconds on every torch call (on an emulated-bf16 CPU, a GPT-2
+        124M batch-1 step took 1.2x as long inside a mode that never applied), and without it the same
+        kernels run."""
         if self.upcast_rows is not None:
             applies = upcast and (rows is None or rows >= self.upcast_rows)
             return UpcastBF16(self.upcast_rows) if applies else contextlib.nullcontext()
@@ -279,9 +277,9 @@ class Runner:
         if key not in _independent:
 
             def check() -> bool:  # under the routes _packed takes: the head's without the upcast mode
-                with self._eager_routes(decode=False):
+                with self._eager_routes():
                     body = rows_independent(self.model, PACK_ROWS, ())
-                with self._eager_routes(decode=False, upcast=False):
+                with self._eager_routes(upcast=False):
                     return body and rows_independent(self.model, (), PACK_HEAD_ROWS)
 
             _independent[key] = recorded("packed-prefill", facts, check)
@@ -317,14 +315,14 @@ class Runner:
         ids[:total] = torch.tensor([t for p, _ in prompts for t in p], device=device)
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         segments = [(slot, n) for (_, slot), n in zip(prompts, lengths, strict=True)]
-        with self._eager_routes(decode=False, rows=len(ids)):
+        with self._eager_routes(rows=len(ids)):
             hidden = self.model.packed_prefill(ids, self.cache, segments)
         rows = hidden.new_zeros(_next(len(prompts), PACK_HEAD_ROWS), hidden.shape[1])
         rows[: len(prompts)] = hidden[last]
         # The head's few rows (2-16) stay out of the bf16 upcast mode: where its row count fell among them,
         # a prompt's head would take the route in one pack and not in another (a row's bits would differ,
         # and packing was refused: GPT-2 124M, bf16 emulated on a Zen 4, 16 rows).
-        with self._eager_routes(decode=False, upcast=False):
+        with self._eager_routes(upcast=False):
             logits = self.model.wte.project(rows)
         return list(logits[: len(prompts)])
 
@@ -333,7 +331,7 @@ class Runner:
         device = self.model.device
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
         positions = torch.arange(len(prompt), device=device)[None]
-        with self._eager_routes(decode=False, rows=len(prompt)):
+        with self._eager_routes(rows=len(prompt)):
             logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=len(prompt),
                                 last_only=True)  # fmt: skip
         return logits[0, -1]
@@ -347,5 +345,4 @@ class Runner:
             if self._decode is not None:
                 return self._decode(tokens, rows, span)
             model = self._decode_model()
-            with self._eager_routes(decode=True, rows=self.cache.slots):
-                return model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
+            return model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]

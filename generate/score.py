@@ -21,15 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from generate.engine import GenerationError
-from generate.kernels import OneDNNLinear, onednn_pays
+from generate.kernels import OneDNNLinear
 from generate.memory import said_plainly
+from generate.probes import onednn_pays
 from model import GPT
 
 # Rows of the output head computed at once: (rows x vocabulary) fp32 logits, 51 MiB for GPT-2's 50,257.
 HEAD_ROWS = 256
 DEFAULT_BATCH_SIZE = 4  # windows per forward
 # Whether oneDNN runs a model's fp32 products of HEAD_ROWS rows faster than F.linear (MKL), measured once per
-# model on its head and one block's products (kernels.onednn_pays; about 0.5 s for the shipped model); only
+# model on its head and one block's products (probes.onednn_pays; about 0.5 s for the shipped model); only
 # the head's products take the route here. On a 2-core AMD EPYC Zen 4, 256 rows of the shipped model's
 # 50,257 x 256 head took 53 ms in oneDNN and 81 ms in F.linear.
 _ONEDNN_HEAD: weakref.WeakKeyDictionary[GPT, bool] = weakref.WeakKeyDictionary()

@@ -246,6 +246,7 @@ class CausalAttention(nn.Module):
         scores = q @ keys.transpose(-2, -1)  # (B, nh, T, span)
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
         weights = torch.softmax(scores.masked_fill(blocked, float("-inf")), dim=-1)
+        del scores  # (three (B, nh, T, span) fp32 tensors at most, as the engine's memory check counts)
         return (weights.to(values.dtype) @ values).to(dtype)  # (B, nh, T, hs)
 
     def _attend_one(

@@ -1,5 +1,6 @@
-"""Eager kernel routes (generate/kernels.py): oneDNN's fp32 inner product stands in for F.linear only where
-it is asked to, computes the same product, and is chosen by a measurement only for fp32 CPU models."""
+"""Eager kernel routes (generate/kernels.py): oneDNN's fp32 inner product, products in row blocks and bf16
+products upcast to fp32 stand in for F.linear only where they are asked to, compute the same product (within
+a tolerance), and give a row the same bits wherever it stands among the rows."""
 
 import pytest
 import torch
@@ -14,23 +15,17 @@ from generate.kernels import (
     _BlockedTiedEmbedding,
     _OneDNNLinearModule,
     _OneDNNTiedEmbedding,
-    _same_in_every_position,
     _upcast_linear,
     _UpcastLinearModule,
     _UpcastTiedEmbedding,
     blocked_linear,
     blocked_product,
-    body_blocks_fit,
     decode_copy,
-    head_blocks_pays,
     onednn_available,
-    onednn_pays,
-    upcast_blocks_fit,
-    upcast_min_rows,
 )
+from generate.probes import _same_in_every_position
 from model import KVCache
 from model.embedding import TiedEmbedding
-from model.quant import quantize_int8
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -125,13 +120,6 @@ def test_a_row_in_row_blocks_gets_the_same_bits_in_any_position_beside_any_rows(
             assert torch.equal(blocked_product(others, w, 4)[i], blocked_product(x, w, 4)[0])
 
 
-def test_the_position_check_finds_a_product_that_depends_on_a_rows_place():
-    x, w = torch.randn(3, 1, 48), torch.randn(8, 48)
-    shifted = lambda rows, w: F.linear(rows, w) + torch.arange(len(rows))[:, None, None] * 1e-3  # noqa: E731
-    assert not _same_in_every_position(shifted, x, w)
-    assert _same_in_every_position(shifted, x[:1], w)  # one row has one place
-
-
 @pytest.mark.parametrize("onednn", [False, pytest.param(True, marks=needs_onednn)])
 def test_the_decode_copy_with_head_blocks_routes_only_the_head_and_shares_the_weights(onednn):
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1)
@@ -149,29 +137,6 @@ def test_the_decode_copy_with_head_blocks_routes_only_the_head_and_shares_the_we
         bf16 = decode_copy(model.to(torch.bfloat16), onednn=onednn, head_blocks=4)
         assert torch.equal(bf16.wte.project(hidden.bfloat16()), model.wte.project(hidden.bfloat16()))
     assert (got - want).abs().max().item() <= 1e-5
-
-
-def test_head_blocks_are_measured_only_for_fp32_cpu_heads_and_chosen_by_the_clock(monkeypatch):
-    import generate.kernels as kernels
-
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
-    assert head_blocks_pays(model.to(torch.bfloat16), 1, False) is None
-    assert head_blocks_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 1, False) is None
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
-    assert head_blocks_pays(model, 1, False) in (None, 2, 4, 8)  # whichever is faster on this machine
-    timings = {2: 0.9, 4: 0.8, 8: 0.85, "other": 1.0}
-
-    def clock(fn, x, weight, *blocks):
-        return timings[blocks[0] if blocks else "other"]
-
-    monkeypatch.setattr(kernels, "_best_of", clock)
-    assert head_blocks_pays(model, 3, False) == 4  # the fastest, 20% faster
-    monkeypatch.setattr(kernels, "_same_in_every_position", lambda *a: False)
-    assert head_blocks_pays(model, 3, False) is None  # faster, but a row's bits would depend on its place
-    monkeypatch.undo()
-    monkeypatch.setattr(kernels, "_best_of", clock)
-    timings.update({2: 0.96, 4: 0.97, 8: 0.99})
-    assert head_blocks_pays(model, 3, True) is None  # under 5% faster: the other route stays
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -207,22 +172,6 @@ def test_the_decode_copy_with_body_blocks_takes_the_layers_they_divide_and_leave
         got = routed(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
         want = model(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
     assert (got - want).abs().max().item() <= 1e-5
-
-
-def test_body_blocks_fit_only_fp32_cpu_layers_they_divide():
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
-    assert body_blocks_fit(model, 3, 2) and body_blocks_fit(model, 1, 3)
-    assert not body_blocks_fit(model, 3, 1)  # one block is the product itself
-    assert not body_blocks_fit(model, 3, 5)  # 5 divides none of 144, 48, 192
-    assert not body_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2)
-    assert not body_blocks_fit(model.to(torch.bfloat16), 3, 2)
-
-
-def test_only_fp32_cpu_models_are_measured():
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1)
-    assert isinstance(onednn_pays(model, 2), bool)  # whichever is faster on this machine
-    assert onednn_pays(model.to(torch.bfloat16), 2) is False
-    assert onednn_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 2) is False
 
 
 @pytest.mark.parametrize("rows", [1, 5, 9])
@@ -273,29 +222,32 @@ def test_upcast_attention_products_equal_fp32_products_rounded_to_bf16(queries, 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_upcast_products_in_row_blocks_equal_fp32_products_and_keep_a_rows_bits(rows, bias, monkeypatch):
-    # The decode step's upcast route, in pieces of 7 weight rows' bytes into one buffer: with 2 or 3 blocks,
-    # pieces of 6 rows (whole blocks), which divide 96; with 5, pieces of 5 rows and a last one of 1 row
-    # (blocked_product with one block).
+    # The decode step's upcast route, in pieces of 7 weight rows' bytes into one buffer. 101 rows: with 2 or
+    # 3 blocks, pieces of 6 rows (whole blocks) and a last one of 5 (blocked_product's overlapping blocks, as
+    # GPT-2's head's last piece); with 5, pieces of 5 rows and a last one of 1 (a block of one row).
     import generate.kernels as kernels
 
     monkeypatch.setattr(kernels, "UPCAST_CHUNK_BYTES", 4 * 48 * 7)  # (fresh pieces: the same rows)
     torch.manual_seed(0)
     x = torch.randn(rows, 1, 48, dtype=torch.bfloat16)
-    w = torch.randn(96, 48, dtype=torch.bfloat16)
-    b = torch.randn(96, dtype=torch.bfloat16) if bias else None
+    w = torch.randn(101, 48, dtype=torch.bfloat16)
+    b = torch.randn(101, dtype=torch.bfloat16) if bias else None
     with torch.inference_mode():
         want = F.linear(x.float(), w.float(), None if b is None else b.float())
         for blocks in (2, 3, 5):
             pieces = Pieces(4 * 48 * 7)
             got = _upcast_linear(x, w, b, blocks, pieces)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, 1, 96)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, 1, 101)
             assert (got.float() - want).abs().max().item() <= 2**-7 * want.abs().max().item()  # 1 bf16 ulp
             assert torch.equal(got, _upcast_linear(x, w, b, blocks))  # fresh pieces: the same bits
             assert pieces._buffer is not None and pieces._buffer.numel() == 48 * 7
             assert _same_in_every_position(_upcast_linear, x, w, b, blocks, pieces)
 
 
-def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_weights():
+def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_weights(monkeypatch):
+    # (Native bf16 products also sum in fp32 and round once, so equal outputs alone would not show the route.)
+    import generate.kernels as kernels
+
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(torch.bfloat16)
     routed = decode_copy(model, onednn=False, upcast_blocks=2)
     layers = [m for m in routed.modules() if isinstance(m, torch.nn.Linear)]
@@ -304,57 +256,22 @@ def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_
     assert len({id(m.pieces) for m in [*layers, routed.wte]}) == 1  # one buffer for every product
     assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    calls, real = [], kernels._upcast_linear
+    monkeypatch.setattr(
+        kernels,
+        "_upcast_linear",
+        lambda x, w, b, blocks, pieces: calls.append((w, blocks, pieces)) or real(x, w, b, blocks, pieces),
+    )
     ids, positions = torch.randint(0, 97, (3, 1)), torch.tensor([[4], [0], [9]])
     with torch.inference_mode():
         got = routed(
             ids, positions=positions, cache=KVCache(model.config, 3, 16, dtype=torch.bfloat16), span=16
         )
         want = model.float()(ids, positions=positions, cache=KVCache(model.config, 3, 16), span=16)
-        assert (got.float() - want).abs().max().item() <= 0.05  # bf16 activations, fp32 products
-        assert torch.equal(layers[0](torch.ones(2, 48)), F.linear(torch.ones(2, 48), layers[0].weight.float(),
-                                                                  layers[0].bias.float()))  # fmt: skip
-
-
-def test_upcast_blocks_fit_only_dense_bf16_models_where_bf16_is_emulated(monkeypatch):
-    import generate.kernels as kernels
-
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
-    monkeypatch.setattr(kernels, "bf16_native", lambda: True)
-    assert not upcast_blocks_fit(model, 3, 2)  # native bf16: its own products
-    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
-    assert upcast_blocks_fit(model, 3, 2) and upcast_blocks_fit(model, 1, 2)
-    assert not upcast_blocks_fit(model, 3, 1)  # one block is the product itself
-    assert not upcast_blocks_fit(make_model(TINY_CONFIGS["5x3x48"], seed=1), 3, 2)  # fp32
-    assert not upcast_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2)
-    monkeypatch.setattr(kernels, "_same_in_every_position", lambda *args: False)  # a row's bits moved
-    assert not upcast_blocks_fit(model, 3, 2)
-
-
-def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):
-    import generate.kernels as kernels
-
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
-    monkeypatch.setattr(kernels, "bf16_native", lambda: True)
-    assert upcast_min_rows(model) is None
-    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
-    rows = upcast_min_rows(model, candidates=(1, 8))
-    assert rows in (None, 1, 8)  # whichever the measurement says here
-    assert upcast_min_rows(make_model(TINY_CONFIGS["5x3x48"], seed=1), candidates=(1, 8)) is None  # fp32
-
-
-@pytest.mark.parametrize(
-    ("answers", "kept"), [((None, 8, 16), 16), ((8, None, 8), 8), ((None, 4, None), None), ((2, 2, 32), 2)]
-)
-def test_the_upcast_row_count_is_the_median_of_three_measurements(monkeypatch, answers, kept):
-    # One measurement near a break-even can say None (never upcast), which would be kept for good.
-    import generate.kernels as kernels
-
-    monkeypatch.setattr(kernels, "bf16_native", lambda: False)
-    script = iter(answers)
-    monkeypatch.setattr(kernels, "_upcast_rows_once", lambda layers, candidates: next(script))
-    model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
-    assert upcast_min_rows(model) == kept
-    assert next(script, "all used") == "all used"
+    routed_weights = {id(m.weight) for m in [*layers, routed.wte]}
+    assert {id(w) for w, _, _ in calls} == routed_weights  # every product of the step on the route
+    assert all(blocks == 2 and pieces is routed.wte.pieces for _, blocks, pieces in calls)
+    assert (got.float() - want).abs().max().item() <= 0.05  # bf16 activations, fp32 products
 
 
 @needs_onednn

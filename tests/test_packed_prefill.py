@@ -10,7 +10,7 @@ import torch
 from test_batch_invariance import DTYPES, model_in
 
 from conftest import TINY_CONFIGS, make_model
-from generate.kernels import rows_independent
+from generate.probes import rows_independent
 from generate.runner import PACK_HEAD_ROWS, PACK_ROWS, Runner
 from model import KVCache
 
