@@ -174,13 +174,13 @@ class Runner:
             self.body_blocks = recorded(
                 "body-blocks",
                 {**shape, "onednn": self.onednn, "head_blocks": self.head_blocks, "blocks": blocks},
-                lambda: self._measure_body_blocks(blocks),
+                lambda: self._blocks_if_faster("body_blocks", body_blocks_fit, blocks),
                 _count_or_none,
             )
             self.upcast_blocks = recorded(
                 "upcast-blocks",
                 {**shape, "blocks": blocks},
-                lambda: self._measure_upcast_blocks(blocks),
+                lambda: self._blocks_if_faster("upcast_blocks", upcast_blocks_fit, blocks),
                 _count_or_none,
             )
 
@@ -194,19 +194,15 @@ class Runner:
         faster = blocks is not None and self._steps_faster_with("head_blocks", blocks, None, by=1.0)
         return blocks if faster else None
 
-    def _measure_body_blocks(self, blocks: int) -> int | None:
-        """:attr:`body_blocks`: ``blocks`` where the linear layers can run in them and whole steps are at
-        least 3% faster so."""
-        fits = body_blocks_fit(self.model, self.cache.slots, blocks)
-        return blocks if fits and self._steps_faster_with("body_blocks", blocks, None) else None
-
-    def _measure_upcast_blocks(self, blocks: int) -> int | None:
-        """:attr:`upcast_blocks`: ``blocks`` where the bf16 products can run so and whole steps are at least
-        3% faster (GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, taking turns in one
-        process: 54-56 ms a step against 67-71 while its vCPUs shared an L3, 63-67 against 61-64 while they
-        did not; at 1 row the products alone took twice as long as in bf16)."""
-        fits = upcast_blocks_fit(self.model, self.cache.slots, blocks)
-        return blocks if fits and self._steps_faster_with("upcast_blocks", blocks, None) else None
+    def _blocks_if_faster(self, route: str, fit: Callable[[GPT, int, int], bool], blocks: int) -> int | None:
+        """:attr:`body_blocks` or :attr:`upcast_blocks` (``route``): ``blocks`` where ``fit`` says the step's
+        products can run in them (:func:`generate.probes.body_blocks_fit`, fp32;
+        :func:`generate.probes.upcast_blocks_fit`, emulated bf16) and whole steps are at least 3% faster so.
+        (The upcast route, GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, taking turns in
+        one process: 54-56 ms a step against 67-71 while its vCPUs shared an L3, 63-67 against 61-64 while
+        they did not; at 1 row the products alone took twice as long as in bf16.)"""
+        fits = fit(self.model, self.cache.slots, blocks)
+        return blocks if fits and self._steps_faster_with(route, blocks, None) else None
 
     def _steps_faster_with(
         self, route: str, on: object = True, off: object = False, by: float = 0.97
