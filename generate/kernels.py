@@ -33,9 +33,11 @@ same fp32 sums in another order. A prompt's attention products (bf16 ``@`` in ``
 least ``min_rows`` queries run in fp32 too, rounded to bf16 once (GPT-2 124M, AVX2 and bf16 emulated on a Zen
 4: a 512-token prompt 0.88 s instead of 2.7, of which oneDNN's emulated bf16 batched products had taken 1.9).
 :func:`generate.probes.upcast_min_rows` checks the capability and, where bf16 is emulated, measures from how
-many rows it pays. The eager decode step upcasts too, in smaller pieces (``DECODE_PIECE_BYTES``) whose
-products run in one block of rows per thread, so that each thread reads the half of a piece it converted
-(:func:`generate.probes.upcast_blocks_fit` checks that a row keeps its bits; whole steps decide). Rows in an
+many rows it pays. The eager decode step upcasts too (its bf16 products: an int8-body or int4-body model's
+head, a bf16 model's every product), in smaller pieces whose products run in one block of rows per thread, so
+that each thread reads the share of a piece it converted; the piece size is measured
+(:func:`generate.probes.upcast_pieces_fastest`, of ``DECODE_PIECE_SIZES``),
+:func:`generate.probes.upcast_blocks_fit` checks that a row keeps its bits, and whole steps decide. Rows in an
 engine stay bitwise independent (a step's row count is fixed), but an engine whose steps take an upcast route
 and one whose steps do not give a row different bits.
 """
@@ -193,6 +195,7 @@ def decode_copy(
     head_blocks: int | None = None,
     body_blocks: int | None = None,
     upcast_blocks: int | None = None,
+    upcast_pieces: int | None = None,
 ) -> GPT:
     """A copy of the model's modules that shares every parameter and buffer (no weight is copied), for the
     eager decode step's routes: with ``onednn``, its fp32 CPU linear products, the tied head's included, run
@@ -201,12 +204,17 @@ def decode_copy(
     2.4 ms longer, on a 2-core Zen 4); with ``head_blocks``, its fp32 head runs in that many row blocks
     (:func:`blocked_product`), and with ``body_blocks`` its linear layers (:func:`blocked_linear`, where
     their outputs divide), whichever ``onednn`` says; with ``upcast_blocks``, its bf16 CPU products, the
-    head's included, run in fp32 on upcast pieces of the weight in that many row blocks (one buffer of
-    pieces for all: :class:`Pieces`). The model itself is left as it is.
+    head's included, run in fp32 on upcast pieces of the weight, ``upcast_pieces`` fp32 bytes each, in that
+    many row blocks (one buffer of pieces for all: :class:`Pieces`). The model itself is left as it is.
 
     Raises:
-        ValueError: if ``upcast_blocks`` comes with an fp32 route (its layers would take the upcast ones).
+        ValueError: if ``upcast_blocks`` comes with an fp32 route (its layers would take the upcast ones) or
+            without ``upcast_pieces``.
     """
+    if upcast_blocks is not None and upcast_pieces is None:
+        raise ValueError(
+            f"upcast_blocks={upcast_blocks} needs upcast_pieces (fp32 bytes a piece), e.g. 3 * 2**20"
+        )
     if upcast_blocks is not None and (onednn or head_blocks is not None or body_blocks is not None):
         raise ValueError(
             f"upcast_blocks={upcast_blocks} is a bf16 route and takes every layer; give it without onednn "
@@ -214,7 +222,7 @@ def decode_copy(
         )
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
-    pieces = Pieces() if upcast_blocks is not None else None
+    pieces = Pieces(upcast_pieces) if upcast_blocks is not None and upcast_pieces is not None else None
     for module in routed.modules():
         if type(module) in (nn.Linear, TiedEmbedding) and upcast_blocks is not None:
             module.__class__ = _UpcastLinearModule if type(module) is nn.Linear else _UpcastTiedEmbedding
@@ -236,13 +244,15 @@ def decode_copy(
 UPCAST_CHUNK_BYTES = 8 * 2**20
 
 
-# fp32 bytes of weight the decode step's upcast route (:func:`decode_copy`'s ``upcast_blocks``) upcasts at a
-# time. Each thread converts its share of a piece and then reads that share in the product (one block per
-# thread): a piece stays in cache between the two, and a share read by another core must cross between them.
-# GPT-2 124M's 49 decode products at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, against 51-58 ms in
-# bf16: pieces of 8 MiB 31-43 ms while the two vCPUs shared an L3, but 54-58 once they did not (a read
-# bandwidth of 55 GB/s instead of 32: the VM moves between the two); 2 MiB 35-41 and 45-47 ms.
-DECODE_PIECE_BYTES = 2 * 2**20
+# The fp32 piece sizes the decode step's upcast route (:func:`decode_copy`'s ``upcast_blocks``) may upcast at
+# a time; :func:`generate.probes.upcast_pieces_fastest` measures which is fastest on the machine. Each thread
+# converts its share of a piece and then reads that share in the product (one block per thread): a piece stays
+# in cache between the two, and a share read by another core would have to cross between them. The best size
+# depends on the caches and on the products' shapes: GPT-2 124M's 49 decode products at 8 rows, AVX2 and bf16
+# emulated on a 2-vCPU Zen 4 VM, against 50-54 ms in bf16: 3 MiB pieces (1,024 rows of 768) 32-41 ms while the
+# two vCPUs shared an L3 and 40-45 while they did not (the VM moves between the two), 2 MiB 37-50 and 50-54,
+# 8 MiB 31-34 and 57-65.
+DECODE_PIECE_SIZES = tuple(n * 2**20 for n in (1, 2, 3, 4, 6, 8))
 
 
 class Pieces:
@@ -250,7 +260,7 @@ class Pieces:
     use and kept, so that no piece is allocated (and its pages faulted in) afresh. Not for use by two
     threads at once."""
 
-    def __init__(self, nbytes: int = DECODE_PIECE_BYTES) -> None:
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._buffer: torch.Tensor | None = None
 
@@ -276,24 +286,51 @@ def _upcast_linear(
     divide; the decode step's route, one block per thread), which give a row the same bits wherever it
     stands among the rows (checked on the machine before the route is taken:
     :func:`generate.probes.upcast_blocks_fit`); with ``pieces``, the pieces are upcast into its buffer."""
-    x32 = x.float()
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     step = max(1, (UPCAST_CHUNK_BYTES if pieces is None else pieces.nbytes) // (4 * weight.shape[1]))
     if blocks is not None:
-        step = max(blocks, step // blocks * blocks)
+        return _upcast_blocks(x, weight, bias, blocks, max(blocks, step // blocks * blocks), pieces)
+    x32 = x.float()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
     for a in range(0, weight.shape[0], step):
         piece = weight[a : a + step]
         piece = piece.float() if pieces is None else pieces.take(piece)
         b = None if bias is None else bias[a : a + step].float()
-        if blocks is None:
-            y = F.linear(x32, piece, b)
-        elif len(piece) % blocks == 0:
-            y = blocked_linear(x32, piece, b, blocks)
-        else:  # (blocked_product's blocks overlap; a piece of fewer rows takes a block a row)
-            y = blocked_product(x32, piece, min(blocks, len(piece)))
-            y = y if b is None else y + b
-        out[..., a : a + step] = y
+        out[..., a : a + step] = F.linear(x32, piece, b)
     return out
+
+
+def _upcast_blocks(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    blocks: int,
+    step: int,
+    pieces: Pieces | None,
+) -> torch.Tensor:
+    """:func:`_upcast_linear` in ``blocks`` row blocks, ``step`` weight rows (a multiple of ``blocks``) a
+    piece: :func:`blocked_linear`'s product, with the operands it would make made once a call and each
+    piece's result rounded straight into the output (the decode step runs a few hundred pieces: GPT-2 124M's
+    49 products at 8 rows in 2 MiB pieces, AVX2 and bf16 emulated on a Zen 4, 2 ms less a step so)."""
+    out_features, in_features = weight.shape
+    x32 = x.reshape(1, -1, in_features).float().expand(blocks, -1, -1)  # (blocks, R, in), as blocked_linear's
+    rows = x32.shape[1]
+    bias32 = None if bias is None else bias.float()
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    for a in range(0, out_features, step):
+        piece = weight[a : a + step]
+        piece = piece.float() if pieces is None else pieces.take(piece)
+        n = len(piece)
+        if n % blocks == 0:
+            parts = piece.view(blocks, n // blocks, in_features).transpose(1, 2)  # (blocks, in, n/b)
+            if bias32 is None:
+                y = torch.bmm(x32, parts)
+            else:
+                y = torch.baddbmm(bias32[a : a + n].view(blocks, 1, -1), x32, parts)
+            out[:, a : a + n].view(rows, blocks, n // blocks).copy_(y.transpose(0, 1))
+        else:  # (blocked_product's blocks overlap; a piece of fewer rows takes a block a row)
+            y = blocked_product(x32[0], piece, min(blocks, n))
+            out[:, a : a + n] = y if bias32 is None else y + bias32[a : a + n]
+    return out.view(*x.shape[:-1], out_features)
 
 
 class _UpcastLinearModule(nn.Linear):

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from generate.kernels import (
+    DECODE_PIECE_SIZES,
     Pieces,
+    _bf16_cpu,
     _blocks_take,
     _divides,
     _onednn_linear,
@@ -98,25 +100,74 @@ def bf16_emulated(model: GPT) -> bool:
     return bool(layers) and all(m.weight.dtype == torch.bfloat16 for m in layers)
 
 
-def upcast_blocks_fit(model: GPT, rows: int, blocks: int) -> bool:
-    """Whether the decode step's bf16 products can run in fp32 on upcast pieces in ``blocks`` row blocks
-    (:func:`generate.kernels.decode_copy`'s ``upcast_blocks``) at ``rows`` rows: a model
-    :func:`bf16_emulated` says the upcast routes are for, ``blocks`` > 1, and each of a block's linear layers
-    and the head giving a row the same bits in every position among the rows (:func:`_same_in_every_position`,
-    in the route's pieces). Whether it pays is left to whole steps (GPT-2 124M's 49 products alone at 8
-    rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM: 35-41 ms against 51-62 in bf16 while its vCPUs shared
-    an L3, 45-47 while they did not; at 1 row, in 8 MiB pieces, 16 against 8)."""
-    if blocks < 2 or not bf16_emulated(model):
+def upcast_products(
+    model: GPT, within: nn.Module | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The (weight, bias) of the bf16 products the decode step's upcast route takes
+    (:func:`generate.kernels.decode_copy`'s ``upcast_blocks``) in ``model`` (or in its module ``within``):
+    its dense linear layers and tied head whose weights are bf16 matrices (a dense bf16 model's every product,
+    an int8-body or int4-body model's head). Empty unless bf16 is emulated on this CPU and the model computes
+    in bf16 there."""
+    if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
+        return []
+    modules = (within or model).modules()
+    return [
+        (m.weight, m.bias if type(m) is nn.Linear else None)
+        for m in modules
+        if type(m) in (nn.Linear, TiedEmbedding) and m.weight.dim() == 2 and _bf16_cpu(m.weight)
+    ]
+
+
+def upcast_blocks_fit(model: GPT, rows: int, blocks: int, piece_bytes: int) -> bool:
+    """Whether the decode step's bf16 products (:func:`upcast_products`) can run in fp32 on upcast pieces of
+    ``piece_bytes`` in ``blocks`` row blocks (:func:`generate.kernels.decode_copy`'s ``upcast_blocks``) at
+    ``rows`` rows: there are such products, ``blocks`` > 1, and each of a block's and the head's gives a row
+    the same bits in every position among the rows (:func:`_same_in_every_position`, in the route's pieces).
+    Whether it pays is left to whole steps."""
+    products = [*upcast_products(model, model.h[0]), *upcast_products(model, model.wte)]
+    if blocks < 2 or not products:
         return False
-    layers = [(m.weight, m.bias) for m in model.h[0].modules() if isinstance(m, nn.Linear)]
-    pieces = Pieces()  # (the route's pieces: their rows are the products' shapes)
+    pieces = Pieces(piece_bytes)  # (the route's pieces: their rows are the products' shapes)
     with torch.inference_mode():
         return all(
             _same_in_every_position(
                 _upcast_linear, torch.randn(rows, 1, w.shape[1]).bfloat16(), w, b, blocks, pieces
             )
-            for w, b in [*layers, (model.wte.weight, None)]
+            for w, b in products
         )
+
+
+def upcast_pieces_fastest(
+    model: GPT,
+    rows: int,
+    blocks: int,
+    sizes: tuple[int, ...] = DECODE_PIECE_SIZES,
+    trials: int = 3,
+    within: float = 1.05,
+) -> int | None:
+    """Which of ``sizes`` (fp32 bytes) of upcast pieces makes the decode step's upcast route fastest for this
+    model at ``rows`` rows in ``blocks`` row blocks, or None where the route is not for it (``blocks`` < 2,
+    or no :func:`upcast_products`). Timed on every product the route takes in a step, one pass a trial (the
+    weights come from memory, as in a step), the sizes taking turns; the best of ``trials`` each (GPT-2 124M
+    at 8 rows: about 40 ms a pass). The best size depends on the caches and the shapes
+    (``DECODE_PIECE_SIZES``), and on a VM on its state, which one measurement sees one of: of the sizes
+    within ``within`` times the fastest's time, the smallest (a smaller piece leaves more of the caches to
+    the rest of the step and to the other cores: on a 2-vCPU Zen 4 VM, GPT-2 124M at 8 rows, 8 MiB pieces
+    were as fast as 3 MiB ones while the vCPUs shared an L3 and 40% slower while they did not)."""
+    layers = upcast_products(model)
+    if blocks < 2 or not layers:
+        return None
+    inputs = {w.shape[1]: torch.randn(rows, 1, w.shape[1]).bfloat16() for w, _ in layers}
+    best, pieces = dict.fromkeys(sizes, math.inf), {size: Pieces(size) for size in sizes}
+    with torch.inference_mode():
+        for trial in range(trials + 1):  # (the first pass of each size is not counted)
+            for size in sizes:
+                start = time.perf_counter()
+                for w, b in layers:
+                    _upcast_linear(inputs[w.shape[1]], w, b, blocks, pieces[size])
+                if trial:
+                    best[size] = min(best[size], time.perf_counter() - start)
+    return min(size for size in sizes if best[size] <= within * min(best.values()))
 
 
 def upcast_min_rows(

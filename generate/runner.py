@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from generate.kernels import OneDNNLinear, UpcastBF16, decode_copy
+from generate.kernels import DECODE_PIECE_SIZES, OneDNNLinear, UpcastBF16, decode_copy
 from generate.probes import (
     body_blocks_fit,
     head_blocks_pays,
@@ -39,6 +39,7 @@ from generate.probes import (
     step_spans_agree,
     upcast_blocks_fit,
     upcast_min_rows,
+    upcast_pieces_fastest,
 )
 from generate.routes import model_facts, recorded
 from model import GPT, KVCache
@@ -118,7 +119,11 @@ class Runner:
         upcast_blocks: the eager decode step's bf16 products run in fp32 on upcast pieces of the weight in
             this many row blocks, one per thread (:func:`generate.kernels.decode_copy`), or None: on CPUs
             without native bf16, where that gives every row the same bits in every place
-            (:func:`generate.probes.upcast_blocks_fit`) and whole steps are at least 3% faster so.
+            (:func:`generate.probes.upcast_blocks_fit`) and whole steps are at least 3% faster so, in
+            pieces of :attr:`upcast_pieces`.
+        upcast_pieces: the fp32 bytes of the upcast route's pieces, the fastest of
+            :data:`generate.kernels.DECODE_PIECE_SIZES` for the step's products
+            (:func:`generate.probes.upcast_pieces_fastest`), or None where the route is not for the model.
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
@@ -129,6 +134,7 @@ class Runner:
         self.head_blocks: int | None = None
         self.body_blocks: int | None = None
         self.upcast_blocks: int | None = None
+        self.upcast_pieces: int | None = None
         self._routed: dict[RouteKey, GPT] = {}  # _decode_model's copies, by route
         facts = model_facts(model)
         if compile:  # first: a compile refused for want of memory leaves nothing behind, not even routes.json
@@ -177,10 +183,19 @@ class Runner:
                 lambda: self._blocks_if_faster("body_blocks", body_blocks_fit, blocks),
                 _count_or_none,
             )
-            self.upcast_blocks = recorded(
+            self.upcast_pieces = recorded(
+                "upcast-pieces",
+                {**shape, "blocks": blocks, "sizes": DECODE_PIECE_SIZES},
+                lambda: upcast_pieces_fastest(model, cache.slots, blocks),
+                _count_or_none,
+            )
+            pieces = self.upcast_pieces
+            self.upcast_blocks = pieces and recorded(
                 "upcast-blocks",
-                {**shape, "blocks": blocks},
-                lambda: self._blocks_if_faster("upcast_blocks", upcast_blocks_fit, blocks),
+                {**shape, "blocks": blocks, "pieces": pieces},
+                lambda: self._blocks_if_faster(
+                    "upcast_blocks", lambda *a: upcast_blocks_fit(*a, piece_bytes=pieces), blocks
+                ),
                 _count_or_none,
             )
 
@@ -197,10 +212,10 @@ class Runner:
     def _blocks_if_faster(self, route: str, fit: Callable[[GPT, int, int], bool], blocks: int) -> int | None:
         """:attr:`body_blocks` or :attr:`upcast_blocks` (``route``): ``blocks`` where ``fit`` says the step's
         products can run in them (:func:`generate.probes.body_blocks_fit`, fp32;
-        :func:`generate.probes.upcast_blocks_fit`, emulated bf16) and whole steps are at least 3% faster so.
-        (The upcast route, GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, taking turns in
-        one process: 54-56 ms a step against 67-71 while its vCPUs shared an L3, 63-67 against 61-64 while
-        they did not; at 1 row the products alone took twice as long as in bf16.)"""
+        :func:`generate.probes.upcast_blocks_fit`, emulated bf16) and whole steps are at least 3% faster
+        so. (The upcast route, GPT-2 124M at 8 rows, AVX2 and bf16 emulated on a 2-core Zen 4 VM, taking turns
+        in one process: 3 MiB pieces 50-60 ms a step against 60-70 in bf16 while its vCPUs did not share an
+        L3, 42-46 against 61-84 while they did; at 1 row the products alone took twice as long as in bf16.)"""
         fits = fit(self.model, self.cache.slots, blocks)
         return blocks if fits and self._steps_faster_with(route, blocks, None) else None
 
@@ -255,7 +270,8 @@ class Runner:
         if key not in self._routed:
             onednn, head_blocks, body_blocks, upcast_blocks = key
             self._routed[key] = decode_copy(self.model, onednn=onednn, head_blocks=head_blocks,
-                                            body_blocks=body_blocks, upcast_blocks=upcast_blocks)  # fmt: skip
+                                            body_blocks=body_blocks, upcast_blocks=upcast_blocks,
+                                            upcast_pieces=self.upcast_pieces)  # fmt: skip
         return self._routed[key]
 
     @property

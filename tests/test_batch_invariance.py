@@ -94,11 +94,13 @@ def test_fp32_rows_are_bitwise_independent_on_every_eager_route(routes):
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-def test_bf16_rows_are_bitwise_independent_on_the_upcast_route():
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8-body"])
+def test_bf16_rows_are_bitwise_independent_on_the_upcast_route(dtype):
     # Products in fp32 on upcast weights (generate/kernels.py): prefills of 2 rows or more in the upcast
-    # mode, and 3-row steps with their products in 2 row blocks.
-    routes = {"upcast_rows": 2, "upcast_blocks": 2}
-    for r, single, together, alone in alone_and_together(model_in("bfloat16"), 3, 3, **routes):
+    # mode, and 3-row steps with their bf16 products (int8-body: the head's) in 2 row blocks, in pieces of
+    # 10 rows of 48 (2 of 192; the head's 97 rows end in a piece of 7).
+    routes = {"upcast_rows": 2, "upcast_blocks": 2, "upcast_pieces": 4 * 48 * 10}
+    for r, single, together, alone in alone_and_together(model_in(dtype), 3, 3, **routes):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 

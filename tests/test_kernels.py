@@ -249,11 +249,14 @@ def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_
     import generate.kernels as kernels
 
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1, std=0.1).to(torch.bfloat16)
-    routed = decode_copy(model, onednn=False, upcast_blocks=2)
+    with pytest.raises(ValueError, match="upcast_pieces"):
+        decode_copy(model, onednn=False, upcast_blocks=2)  # no piece size
+    routed = decode_copy(model, onednn=False, upcast_blocks=2, upcast_pieces=4 * 48 * 10)
     layers = [m for m in routed.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(type(m) is _UpcastLinearModule and m.blocks == 2 for m in layers)
     assert type(routed.wte) is _UpcastTiedEmbedding and routed.wte.blocks == 2
     assert len({id(m.pieces) for m in [*layers, routed.wte]}) == 1  # one buffer for every product
+    assert routed.wte.pieces.nbytes == 4 * 48 * 10
     assert all(a is b for a, b in zip(model.parameters(), routed.parameters(), strict=True))
     assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
     calls, real = [], kernels._upcast_linear

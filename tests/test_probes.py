@@ -14,6 +14,8 @@ from generate.probes import (
     onednn_pays,
     upcast_blocks_fit,
     upcast_min_rows,
+    upcast_pieces_fastest,
+    upcast_products,
 )
 from model.quant import quantize_int8
 
@@ -67,16 +69,76 @@ def test_only_fp32_cpu_models_are_measured():
 def test_upcast_blocks_fit_only_dense_bf16_models_where_bf16_is_emulated(monkeypatch):
     import generate.probes as probes
 
+    model, pieces = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16), 4 * 48 * 10
+    monkeypatch.setattr(probes, "bf16_native", lambda: True)
+    assert not upcast_blocks_fit(model, 3, 2, pieces)  # native bf16: its own products
+    monkeypatch.setattr(probes, "bf16_native", lambda: False)
+    assert upcast_blocks_fit(model, 3, 2, pieces) and upcast_blocks_fit(model, 1, 2, pieces)
+    assert upcast_blocks_fit(model, 3, 2, 2**20)  # every product in one piece
+    assert not upcast_blocks_fit(model, 3, 1, pieces)  # one block is the product itself
+    assert not upcast_blocks_fit(make_model(TINY_CONFIGS["5x3x48"], seed=1), 3, 2, pieces)  # fp32
+    assert not upcast_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2, pieces)
+    checked = []
+    monkeypatch.setattr(  # a row's bits moved
+        probes,
+        "_same_in_every_position",
+        lambda product, x, w, b, blocks, p: checked.append(p.nbytes) and False,
+    )
+    assert not upcast_blocks_fit(model, 3, 2, pieces) and checked == [pieces]  # checked in the route's pieces
+
+
+def test_the_upcast_route_takes_the_bf16_products_of_models_that_compute_in_bf16_where_it_is_emulated(
+    monkeypatch,
+):
+    import generate.probes as probes
+
+    config = TINY_CONFIGS["5x3x48"]
+    bf16, fp32 = make_model(config, seed=1).to(torch.bfloat16), make_model(config, seed=1)
+    body = quantize_int8(make_model(config, seed=1), include_head=False)  # int8 layers, a bf16 head
+    monkeypatch.setattr(probes, "bf16_native", lambda: True)
+    assert upcast_products(bf16) == upcast_products(body) == []  # native bf16: its own products
+    monkeypatch.setattr(probes, "bf16_native", lambda: False)
+    ids = lambda products: [(id(w), id(b)) for w, b in products]  # noqa: E731
+    every = [(m.weight, m.bias) for m in bf16.modules() if type(m) is torch.nn.Linear]
+    head = [(bf16.wte.weight, None)]
+    assert ids(upcast_products(bf16)) == ids(head + every) and len(every) == 4 * 5
+    assert ids(upcast_products(bf16, bf16.h[0])) == ids(every[:4])
+    assert ids(upcast_products(bf16, bf16.wte)) == ids(head)
+    assert ids(upcast_products(body)) == ids([(body.wte.weight, None)])  # int8-body: the head alone
+    assert upcast_products(fp32) == [] and upcast_products(quantize_int8(fp32)) == []
+    assert upcast_blocks_fit(body, 3, 2, 4 * 48 * 10) and upcast_pieces_fastest(body, 3, 2) is not None
+
+
+def test_upcast_pieces_are_measured_only_where_the_route_is_for_the_model_and_chosen_by_the_clock(
+    monkeypatch,
+):
+    import generate.probes as probes
+
     model = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16)
     monkeypatch.setattr(probes, "bf16_native", lambda: True)
-    assert not upcast_blocks_fit(model, 3, 2)  # native bf16: its own products
+    assert upcast_pieces_fastest(model, 3, 2) is None  # native bf16
     monkeypatch.setattr(probes, "bf16_native", lambda: False)
-    assert upcast_blocks_fit(model, 3, 2) and upcast_blocks_fit(model, 1, 2)
-    assert not upcast_blocks_fit(model, 3, 1)  # one block is the product itself
-    assert not upcast_blocks_fit(make_model(TINY_CONFIGS["5x3x48"], seed=1), 3, 2)  # fp32
-    assert not upcast_blocks_fit(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 3, 2)
-    monkeypatch.setattr(probes, "_same_in_every_position", lambda *args: False)  # a row's bits moved
-    assert not upcast_blocks_fit(model, 3, 2)
+    assert upcast_pieces_fastest(model, 3, 1) is None  # one block
+    assert upcast_pieces_fastest(make_model(TINY_CONFIGS["5x3x48"], seed=1), 3, 2) is None  # fp32
+    assert upcast_pieces_fastest(model, 3, 2) in probes.DECODE_PIECE_SIZES  # whichever was fastest here
+    # A scripted clock: each product costs what its piece size says; the cheapest size is chosen, and each
+    # size is timed on every bf16 product of a step (5 blocks of 4 products, and the head), 3 trials and a
+    # first pass not counted.
+    cost, now, products = {1000: 3.0, 2000: 1.0, 3000: 2.0}, [0.0], []
+
+    def product(x, w, b, blocks, pieces):
+        products.append((tuple(w.shape), pieces.nbytes, blocks))
+        now[0] += cost[pieces.nbytes]
+
+    monkeypatch.setattr(probes, "_upcast_linear", product)
+    monkeypatch.setattr(probes.time, "perf_counter", lambda: now[0])
+    assert upcast_pieces_fastest(model, 3, 2, sizes=(1000, 2000, 3000)) == 2000
+    assert len(products) == 4 * 3 * (5 * 4 + 1) and {blocks for *_, blocks in products} == {2}
+    assert {shape for shape, *_ in products} == {(144, 48), (48, 48), (192, 48), (48, 192), (97, 48)}
+    cost.update({1000: 0.5})
+    assert upcast_pieces_fastest(model, 3, 2, sizes=(1000, 2000, 3000)) == 1000
+    cost.update({1000: 1.06, 2000: 1.04, 3000: 1.0})  # within 5% of the fastest: the smallest of those
+    assert upcast_pieces_fastest(model, 3, 2, sizes=(1000, 2000, 3000)) == 2000
 
 
 def test_upcast_is_measured_only_where_bf16_is_emulated(monkeypatch):

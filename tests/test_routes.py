@@ -102,15 +102,31 @@ def test_a_second_runner_takes_the_kept_routes_without_measuring(cache_dir, monk
 
 
 def test_decode_steps_take_upcast_blocks_only_where_they_fit_and_steps_were_faster(cache_dir, monkeypatch):
-    # One block per thread; whole steps timed (held to 3%) only where the bf16 products take the blocks.
+    # One block per thread, in the pieces measured fastest; whole steps timed (held to 3%) only where there is
+    # a piece size for the model and the bf16 products take the blocks in its pieces.
     model = make_model(CONFIG, seed=2).to(torch.bfloat16)
     monkeypatch.setattr(generate.runner.torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(generate.runner, "upcast_blocks_fit", lambda model, rows, blocks: rows > 1)
+    sizes = {1: None, 2: 2000, 3: 3000, 4: 4000}  # slots -> the piece size measured fastest
+    monkeypatch.setattr(generate.runner, "upcast_pieces_fastest", lambda model, rows, blocks: sizes[rows])
+    fitted = []
+    monkeypatch.setattr(  # the blocks fit at 3 rows and more, in the pieces measured for them
+        generate.runner,
+        "upcast_blocks_fit",
+        lambda model, rows, blocks, piece_bytes: fitted.append((rows, piece_bytes)) or rows > 2,
+    )
     timed = steps_faster_at(monkeypatch, slots=3)
-    made = {n: Runner(model, KVCache(CONFIG, n, 16, dtype=torch.bfloat16)).upcast_blocks for n in (1, 2, 3)}
-    assert made == {1: None, 2: None, 3: 2}
-    assert timed == [("upcast_blocks", 2, None, 0.97, 2), ("upcast_blocks", 2, None, 0.97, 3)]
-    assert Runner(model, KVCache(CONFIG, 3, 16, dtype=torch.bfloat16)).upcast_blocks == 2 and len(timed) == 2
+    runners = {n: Runner(model, KVCache(CONFIG, n, 16, dtype=torch.bfloat16)) for n in (1, 2, 3, 4)}
+    assert {n: (r.upcast_pieces, r.upcast_blocks) for n, r in runners.items()} == {
+        1: (None, None),
+        2: (2000, None),
+        3: (3000, 2),
+        4: (4000, None),
+    }
+    assert fitted == [(2, 2000), (3, 3000), (4, 4000)]  # (none at 1 slot: no piece size)
+    assert timed == [("upcast_blocks", 2, None, 0.97, 3), ("upcast_blocks", 2, None, 0.97, 4)]
+    again = Runner(model, KVCache(CONFIG, 3, 16, dtype=torch.bfloat16))  # kept: nothing measured again
+    assert (again.upcast_pieces, again.upcast_blocks) == (3000, 2) and len(timed) == 2 and len(fitted) == 3
+    assert again._decode_model().wte.pieces.nbytes == 3000  # the step's copy takes the measured pieces
 
 
 @pytest.mark.parametrize(("off", "on", "blocks"), [(2.0, 1.0, 2), (1.0, 1.0, None), (1.0, 0.98, None)])
@@ -120,7 +136,7 @@ def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkey
     runner = Runner(
         make_model(CONFIG, seed=2).to(torch.bfloat16), KVCache(CONFIG, 3, 16, dtype=torch.bfloat16)
     )
-    runner.upcast_rows, runner.upcast_blocks = 2, None
+    runner.upcast_rows, runner.upcast_blocks, runner.upcast_pieces = 2, None, 4 * 48 * 10
     heads, project = [], _UpcastTiedEmbedding.project
     monkeypatch.setattr(_UpcastTiedEmbedding, "project", lambda self, x: heads.append(1) or project(self, x))
     entered, enter = [], UpcastBF16.__enter__
