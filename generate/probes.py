@@ -93,7 +93,8 @@ def _same_in_every_position(product: Callable[..., torch.Tensor], x: torch.Tenso
 
 def bf16_emulated(model: GPT) -> bool:
     """Whether ``model`` is a bf16 model on a CPU without native bf16 whose linear layers hold bf16 weights
-    (quantized layers have their own kernels): the models the upcast routes are for."""
+    (quantized layers have their own kernels): the models prefill's upcast mode is for (the decode step's
+    upcast route takes every bf16 product it finds: :func:`upcast_products`)."""
     if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
         return False
     layers = [m for m in model.h[0].modules() if isinstance(m, nn.Linear)]
@@ -110,7 +111,7 @@ def upcast_products(
     in bf16 there."""
     if model.device.type != "cpu" or model.compute_dtype != torch.bfloat16 or bf16_native():
         return []
-    modules = (within or model).modules()
+    modules = (model if within is None else within).modules()
     return [
         (m.weight, m.bias if type(m) is nn.Linear else None)
         for m in modules

@@ -50,8 +50,9 @@ from model import GPT, KVCache
 PACK_ROWS = (16, 32, 48, 64, 96, 128, 192, 256)
 PACK_HEAD_ROWS = (2, 4, 8, 16)
 
-# The eager decode step's routes (onednn, head_blocks, body_blocks, upcast_blocks), as Runner keys its copies.
-RouteKey = tuple[bool, int | None, int | None, int | None]
+# The eager decode step's routes (onednn, head_blocks, body_blocks, upcast_blocks, and the upcast pieces' size
+# where upcast_blocks is set), as Runner keys its copies.
+RouteKey = tuple[bool, int | None, int | None, int | None, int | None]
 
 # rows_independent's answers in this process, by what decides the kernels' summation order.
 _independent: dict[tuple, bool] = {}
@@ -187,16 +188,20 @@ class Runner:
                 "upcast-pieces",
                 {**shape, "blocks": blocks, "sizes": DECODE_PIECE_SIZES},
                 lambda: upcast_pieces_fastest(model, cache.slots, blocks),
-                _count_or_none,
+                lambda value: value is None or value in DECODE_PIECE_SIZES,
             )
             pieces = self.upcast_pieces
-            self.upcast_blocks = pieces and recorded(
-                "upcast-blocks",
-                {**shape, "blocks": blocks, "pieces": pieces},
-                lambda: self._blocks_if_faster(
-                    "upcast_blocks", lambda *a: upcast_blocks_fit(*a, piece_bytes=pieces), blocks
-                ),
-                _count_or_none,
+            self.upcast_blocks = (
+                None
+                if pieces is None
+                else recorded(
+                    "upcast-blocks",
+                    {**shape, "blocks": blocks, "pieces": pieces},
+                    lambda: self._blocks_if_faster(
+                        "upcast_blocks", lambda *a: upcast_blocks_fit(*a, piece_bytes=pieces), blocks
+                    ),
+                    _count_or_none,
+                )
             )
 
     def _measure_head_blocks(self) -> int | None:
@@ -265,19 +270,20 @@ class Runner:
         products take those routes (:func:`generate.kernels.decode_copy`), taken at its first use (modules
         swapped in the model after that are not seen by the eager step)."""
         key = self._route_key
-        if key == (False, None, None, None):
+        if key == (False, None, None, None, None):
             return self.model
         if key not in self._routed:
-            onednn, head_blocks, body_blocks, upcast_blocks = key
+            onednn, head_blocks, body_blocks, upcast_blocks, upcast_pieces = key
             self._routed[key] = decode_copy(self.model, onednn=onednn, head_blocks=head_blocks,
                                             body_blocks=body_blocks, upcast_blocks=upcast_blocks,
-                                            upcast_pieces=self.upcast_pieces)  # fmt: skip
+                                            upcast_pieces=upcast_pieces)  # fmt: skip
         return self._routed[key]
 
     @property
     def _route_key(self) -> RouteKey:
         """The eager decode step's routes, as :attr:`_routed` keys its module copies."""
-        return self.onednn, self.head_blocks, self.body_blocks, self.upcast_blocks
+        pieces = None if self.upcast_blocks is None else self.upcast_pieces
+        return self.onednn, self.head_blocks, self.body_blocks, self.upcast_blocks, pieces
 
     @property
     def packs(self) -> bool:

@@ -94,15 +94,25 @@ def test_fp32_rows_are_bitwise_independent_on_every_eager_route(routes):
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8-body"])
-def test_bf16_rows_are_bitwise_independent_on_the_upcast_route(dtype):
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8-body", "int4-body"])
+def test_bf16_rows_are_bitwise_independent_on_the_upcast_route(dtype, monkeypatch):
     # Products in fp32 on upcast weights (generate/kernels.py): prefills of 2 rows or more in the upcast
-    # mode, and 3-row steps with their bf16 products (int8-body: the head's) in 2 row blocks, in pieces of
-    # 10 rows of 48 (2 of 192; the head's 97 rows end in a piece of 7).
+    # mode, and 3-row steps with their bf16 products (int8-body, int4-body: the head's) in 2 row blocks, in
+    # pieces of 3,840 bytes (10 rows of 48, 2 of 192, 14 of int4's 64; the head's 97 rows end in a piece of 7
+    # or 13, in blocked_product's overlapping blocks).
+    import generate.kernels as kernels
+
+    routed, upcast = [], kernels._upcast_blocks
+    monkeypatch.setattr(
+        kernels, "_upcast_blocks", lambda x, w, *a: routed.append(tuple(w.shape)) or upcast(x, w, *a)
+    )
     routes = {"upcast_rows": 2, "upcast_blocks": 2, "upcast_pieces": 4 * 48 * 10}
-    for r, single, together, alone in alone_and_together(model_in(dtype), 3, 3, **routes):
+    model = model_in(dtype)
+    for r, single, together, alone in alone_and_together(model, 3, 3, **routes):
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list
         assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), r.prompt
+    assert tuple(model.wte.weight.shape) in routed  # the steps' heads on the route
+    assert (dtype == "bfloat16") is any(shape != tuple(model.wte.weight.shape) for shape in routed)
 
 
 @pytest.mark.parametrize("packs", [True, False], ids=["packed", "alone"])

@@ -240,8 +240,25 @@ def test_upcast_products_in_row_blocks_equal_fp32_products_and_keep_a_rows_bits(
             assert got.dtype == torch.bfloat16 and got.shape == (rows, 1, 101)
             assert (got.float() - want).abs().max().item() <= 2**-7 * want.abs().max().item()  # 1 bf16 ulp
             assert torch.equal(got, _upcast_linear(x, w, b, blocks))  # fresh pieces: the same bits
+            assert torch.equal(got, piece_by_piece(x, w, b, blocks, max(blocks, 7 // blocks * blocks)))
+            assert torch.equal(_upcast_linear(x[:, 0], w, b, blocks, pieces), got[:, 0])  # (rows, in) too
             assert pieces._buffer is not None and pieces._buffer.numel() == 48 * 7
             assert _same_in_every_position(_upcast_linear, x, w, b, blocks, pieces)
+
+
+def piece_by_piece(x, w, b, blocks, rows):
+    """The upcast route's product as blocked_linear (or, for a piece whose rows the blocks do not divide,
+    blocked_product) of each piece of ``rows`` weight rows upcast, put together and rounded to bf16: what
+    the route computes, spelt out."""
+    x32, outs = x.float(), []
+    for a in range(0, len(w), rows):
+        piece, bias = w[a : a + rows].float(), None if b is None else b[a : a + rows].float()
+        if len(piece) % blocks == 0:
+            outs.append(blocked_linear(x32, piece, bias, blocks))
+        else:
+            y = blocked_product(x32, piece, min(blocks, len(piece)))
+            outs.append(y if bias is None else y + bias)
+    return torch.cat(outs, -1).to(torch.bfloat16)
 
 
 def test_the_decode_copy_with_upcast_blocks_routes_bf16_products_and_shares_the_weights(monkeypatch):

@@ -66,7 +66,7 @@ def test_only_fp32_cpu_models_are_measured():
     assert onednn_pays(quantize_int8(make_model(TINY_CONFIGS["5x3x48"], seed=1)), 2) is False
 
 
-def test_upcast_blocks_fit_only_dense_bf16_models_where_bf16_is_emulated(monkeypatch):
+def test_upcast_blocks_fit_only_bf16_products_where_bf16_is_emulated(monkeypatch):
     import generate.probes as probes
 
     model, pieces = make_model(TINY_CONFIGS["5x3x48"], seed=1).to(torch.bfloat16), 4 * 48 * 10

@@ -146,7 +146,7 @@ def test_timing_whole_steps_leaves_the_route_as_the_clock_says(cache_dir, monkey
     assert runner._steps_faster_with("upcast_blocks", 2, None) is (blocks is not None)
     assert runner.upcast_blocks == blocks and len(heads) == 3  # the three steps timed on the route
     assert not entered  # a decode step never enters the prefill's mode
-    assert list(runner._routed) == ([(False, None, None, 2)] if blocks else [])
+    assert list(runner._routed) == ([(False, None, None, 2, 4 * 48 * 10)] if blocks else [])
 
 
 def steps_faster_at(monkeypatch, slots: int) -> list[tuple]:
@@ -191,7 +191,8 @@ def test_timing_the_head_in_row_blocks_leaves_it_as_the_clock_says(cache_dir, mo
     monkeypatch.setattr(generate.runner.time, "perf_counter", lambda: next(ticks))
     assert runner._measure_head_blocks() == blocks
     assert runner.head_blocks == blocks and len(heads) == 3  # the three steps timed in blocks
-    assert list(runner._routed) == ([(False, 4, None, None)] if blocks else [])  # a loser's copy is dropped
+    kept = [(False, 4, None, None, None)] if blocks else []
+    assert list(runner._routed) == kept  # a loser's copy is dropped
     assert type(runner._decode_model().wte) is (_BlockedTiedEmbedding if blocks else TiedEmbedding)
 
 
