@@ -122,9 +122,9 @@ class Runner:
             without native bf16, where that gives every row the same bits in every place
             (:func:`generate.probes.upcast_blocks_fit`) and whole steps are at least 3% faster so, in
             pieces of :attr:`upcast_pieces`.
-        upcast_pieces: the fp32 bytes of the upcast route's pieces, the fastest of
-            :data:`generate.kernels.DECODE_PIECE_SIZES` for the step's products
-            (:func:`generate.probes.upcast_pieces_fastest`), or None where the route is not for the model.
+        upcast_pieces: the fp32 bytes of the upcast route's pieces, of
+            :data:`generate.kernels.DECODE_PIECE_SIZES` the smallest within 5% of the fastest for the step's
+            products (:func:`generate.probes.upcast_pieces_fastest`), or None where the route has no products.
     """
 
     def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False) -> None:
