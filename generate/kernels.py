@@ -161,10 +161,18 @@ def blocked_linear(
     this way on a Zen 3, one block per thread: a GPT-2 124M batch-1 step 31.9 ms against 38.8 in oneDNN
     (768 x 768 and 768 x 3072 products 12 -> 16 and 17 -> 20 GB/s)."""
     out_features, in_features = weight.shape
-    rows = x.reshape(1, -1, in_features).expand(blocks, -1, -1)
-    parts = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/b)
-    y = torch.bmm(rows, parts) if bias is None else torch.baddbmm(bias.view(blocks, 1, -1), rows, parts)
+    y = _by_blocks(x.reshape(1, -1, in_features).expand(blocks, -1, -1), weight, bias, blocks)
     return y.transpose(0, 1).reshape(*x.shape[:-1], out_features)  # (blocks, R, out/b) -> (..., out)
+
+
+def _by_blocks(
+    rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int
+) -> torch.Tensor:
+    """:func:`blocked_linear`'s product: (blocks, R, in) rows (one row set, expanded) by ``blocks``
+    contiguous blocks of the weight's rows, plus their bias -> (blocks, R, out / blocks)."""
+    out_features, in_features = weight.shape
+    parts = weight.view(blocks, out_features // blocks, in_features).transpose(1, 2)  # (blocks, in, out/b)
+    return torch.bmm(rows, parts) if bias is None else torch.baddbmm(bias.view(blocks, 1, -1), rows, parts)
 
 
 def _divides(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> bool:
@@ -222,7 +230,7 @@ def decode_copy(
         )
     memo: dict[int, Any] = {id(t): t for t in (*model.parameters(), *model.buffers())}
     routed = copy.deepcopy(model, memo)
-    pieces = Pieces(upcast_pieces) if upcast_blocks is not None and upcast_pieces is not None else None
+    pieces = None if upcast_pieces is None else Pieces(upcast_pieces)  # (used only with upcast_blocks)
     for module in routed.modules():
         if type(module) in (nn.Linear, TiedEmbedding) and upcast_blocks is not None:
             module.__class__ = _UpcastLinearModule if type(module) is nn.Linear else _UpcastTiedEmbedding
@@ -321,11 +329,7 @@ def _upcast_blocks(
         piece = piece.float() if pieces is None else pieces.take(piece)
         n = len(piece)
         if n % blocks == 0:
-            parts = piece.view(blocks, n // blocks, in_features).transpose(1, 2)  # (blocks, in, n/b)
-            if bias32 is None:
-                y = torch.bmm(x32, parts)
-            else:
-                y = torch.baddbmm(bias32[a : a + n].view(blocks, 1, -1), x32, parts)
+            y = _by_blocks(x32, piece, None if bias32 is None else bias32[a : a + n], blocks)
             out[:, a : a + n].view(rows, blocks, n // blocks).copy_(y.transpose(0, 1))
         else:  # (blocked_product's blocks overlap; a piece of fewer rows takes a block a row)
             y = blocked_product(x32[0], piece, min(blocks, n))
