@@ -14,7 +14,6 @@ import checkpoints
 from generate.engine import Engine
 from generate.memory import said_plainly
 from generate.request import Request, check_prompts, check_seed
-from generate.runner import next_span
 from generate.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
@@ -56,12 +55,18 @@ class Generator:
     """
 
     def __init__(
-        self, model: GPT, tokenizer: tiktoken.Encoding | None = None, *, compile: bool = False
+        self,
+        model: GPT,
+        tokenizer: tiktoken.Encoding | None = None,
+        *,
+        compile: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
         self.compile = compile
-        self._engines: dict[tuple[int, int], Engine] = {}
+        self.progress = progress
+        self._engine: Engine | None = None
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt text to token ids. ``"<|endoftext|>"`` in the text is plain text, not the special token;
@@ -148,20 +153,19 @@ class Generator:
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
 
-        Positions are rounded up by :func:`~generate.runner.next_span` (capped at the window), the lengths
-        a step reads as the span that holds its rows (:mod:`generate.runner`). A compiled step's shapes are
-        otherwise static, so its slots are rounded up to a power of two too. Reused across calls.
+        The engine is kept and reused while it has ``slots`` slots and at least ``max_len`` positions (how
+        many positions it holds changes no bits; its width does: see :attr:`slots`). One engine is kept at a
+        time; a compiled engine holds the whole window, so one compile serves every call.
         """
-        window = self.model.config.n_positions
-        if self.compile:
-            slots = 1 << (slots - 1).bit_length()
-        key = (slots, min(next_span(max_len), window))
-        if key not in self._engines:
-            self._engines.clear()  # one engine (and one KV cache) kept at a time
-            self._engines[key] = Engine(self.model, slots=key[0], max_len=key[1], compile=self.compile,
-                                        token_bytes=self.tokenizer.decode_single_token_bytes,
-                                        vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
-        return self._engines[key]
+        kept = self._engine
+        if kept is None or kept.slots != slots or kept.cache.max_len < max_len:
+            self._engine = None  # (its KV cache freed before the next is made)
+            window = self.model.config.n_positions
+            self._engine = Engine(self.model, slots=slots, max_len=min(max(max_len, 2), window),
+                                  compile=self.compile, progress=self.progress,
+                                  token_bytes=self.tokenizer.decode_single_token_bytes,
+                                  vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
+        return self._engine
 
     def _run(
         self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None, slots: int = 1

@@ -1,11 +1,10 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
-Each step admits waiting requests into free slots (their prompts prefilled together, each into its slot, as
-:class:`generate.runner.Runner` packs them: a prompt gets the same logits as alone), then runs
-one decode step over every slot: each row feeds its last token at its own position. A finished request frees
-its slot at once. The decode step has one row per slot and reads the span of cache positions that holds its
-rows (where that gives the same bits, :mod:`generate.runner`); compiled, that span is its one dynamic size,
-so it is compiled once. A row's bits do not depend on the other rows.
+Each step admits waiting requests into free slots (each prompt prefilled alone into its slot), then runs one
+decode step over every slot: each row feeds its last token at its own position. A finished request frees its
+slot at once. The decode step has one row per slot, whichever slots are busy, and reads the cache in whole
+chunks (:mod:`generate.runner`), so a row's bits do not depend on the other rows: a request's tokens,
+logprobs and logits are the same whoever shares the engine, when they join or leave and how long they are.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from generate.memory import available_memory, out_of_memory, said_plainly
 from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
-from generate.runner import Runner, next_span
+from generate.runner import Runner
 from generate.sampling import SamplingParams, sample_row
 from model import GPT, GPTConfig, KVCache
 
@@ -66,13 +65,12 @@ class Engine:
         model: the model (eval mode).
         slots: how many requests run at once (rows of every decode step).
         max_len: cache positions per slot (default the model's window); a request whose prompt plus output
-            reaches it finishes with ``"length"``. A step reads only the span that holds its rows
-            (:class:`generate.runner.Runner`), one of 64, 96, 128, 192, ... and ``max_len`` itself: a
-            ``max_len`` among these (:func:`generate.runner.next_span`) keeps that span bitwise safe to
-            follow on more machines (see :func:`generate.probes.spans_agree`).
+            reaches it finishes with ``"length"``. It changes no bits: a step reads the whole chunks that
+            hold its rows (:class:`generate.runner.Runner`). A compiled engine holds the whole window.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled (see :class:`generate.runner.Runner`).
+        progress: with ``compile``, called with a line of text as the compile goes on.
 
     Attributes:
         fail_fast: True (default): a request whose logits are not finite makes :meth:`step` raise
@@ -93,6 +91,7 @@ class Engine:
         token_bytes: Callable[[int], bytes] | None = None,
         vocab_limit: int | None = None,
         compile: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         cfg = model.config
         max_len = cfg.n_positions if max_len is None else max_len
@@ -102,12 +101,14 @@ class Engine:
             raise ValueError(
                 f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
             )
+        if compile:  # one compiled step serves every length: its cache holds the whole window
+            max_len = cfg.n_positions
         _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
         self.model, self.token_bytes = model, token_bytes
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
             self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
-            self.runner = Runner(model, self.cache, compile=compile)
+            self.runner = Runner(model, self.cache, compile=compile, progress=progress)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
@@ -176,7 +177,7 @@ class Engine:
             self.cache.clear(slot)
             joining[slot] = self.running[slot] = request
         if joining:
-            logits = self.runner.prefill_many([(r.prompt, slot) for slot, r in joining.items()])
+            logits = [self.runner.prefill(r.prompt, slot) for slot, r in joining.items()]
             for slot, request in joining.items():
                 self.cache.lengths[slot] = len(request.prompt)
                 self._start_state(slot, request)
@@ -303,7 +304,7 @@ def generate_ids(
     requests = [Request(p, sampling or SamplingParams(), max_new_tokens, seed=s, eos_id=eos_id,
                         logprobs=logprobs) for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
     longest = max(len(p) for p in prompts) + max(1, int(max_new_tokens))
-    max_len = min(model.config.n_positions, next_span(longest))  # (the spans an eager step reads: runner.py)
+    max_len = min(model.config.n_positions, longest)
     engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
     for r in requests:
         engine.add(r)

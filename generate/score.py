@@ -11,9 +11,7 @@ per scored token.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -21,19 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from generate.engine import GenerationError
-from generate.kernels import OneDNNLinear
 from generate.memory import said_plainly
-from generate.probes import onednn_pays
 from model import GPT
 
 # Rows of the output head computed at once: (rows x vocabulary) fp32 logits, 51 MiB for GPT-2's 50,257.
 HEAD_ROWS = 256
 DEFAULT_BATCH_SIZE = 4  # windows per forward
-# Whether oneDNN runs a model's fp32 products of HEAD_ROWS rows faster than F.linear (MKL), measured once per
-# model on its head and one block's products (probes.onednn_pays; about 0.5 s for the shipped model); only
-# the head's products take the route here. On a 2-core AMD EPYC Zen 4, 256 rows of the shipped model's
-# 50,257 x 256 head took 53 ms in oneDNN and 81 ms in F.linear.
-_ONEDNN_HEAD: weakref.WeakKeyDictionary[GPT, bool] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -150,11 +141,6 @@ def _score_ids(
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     stride = check_stride(stride, cfg.n_positions)
     windows = plan_windows(len(ids), cfg.n_positions, stride)
-    head_route = contextlib.nullcontext
-    if len(ids) > 4 * HEAD_ROWS:  # long enough for the measurement to pay
-        if model not in _ONEDNN_HEAD:
-            _ONEDNN_HEAD[model] = onednn_pays(model, HEAD_ROWS)
-        head_route = OneDNNLinear if _ONEDNN_HEAD[model] else head_route
     tokens = torch.tensor(ids, dtype=torch.long)
     logprobs: list[torch.Tensor] = []
     done, total = 0, len(ids) - 1
@@ -168,8 +154,7 @@ def _score_ids(
         rows = torch.cat([h[w.first - 1 - w.begin : w.end - 1 - w.begin] for h, w in pieces])
         targets = torch.cat([tokens[w.first : w.end] for w in batch]).to(model.device)
         for start in range(0, len(rows), HEAD_ROWS):
-            with head_route():
-                logits = model.wte.project(rows[start : start + HEAD_ROWS]).float()  # (rows, V)
+            logits = model.wte.project(rows[start : start + HEAD_ROWS]).float()  # (rows, V)
             if not torch.isfinite(logits).all():
                 raise GenerationError(
                     f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring tokens "

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from model.attention import CHUNK
 from model.config import GPTConfig
 
 
 class KVCache:
-    """Static key/value buffers, one pair per layer of shape (slots, n_head, max_len, head_dim) (views of
-    one position more: see :meth:`buffer`), and each slot's length.
+    """Static key/value buffers, one pair per layer of shape (slots, n_head, positions, head_dim), and each
+    slot's length. ``positions`` is ``max_len`` rounded up to whole chunks of
+    :data:`model.attention.CHUNK` positions (a decode step reads whole chunks; the positions past ``max_len``
+    are never written and stay zero).
 
     A slot is one sequence's row. ``GPT.forward(..., cache=cache, positions=...)`` writes the new keys and
     values of each row at that row's own positions (an index write) and attention masks by position, so
@@ -55,27 +58,29 @@ class KVCache:
     def buffer(
         config: GPTConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str | None
     ) -> torch.Tensor:
-        """One layer's zeroed key (or value) buffer, (slots, n_head, max_len, head_dim).
+        """One layer's zeroed key (or value) buffer, (slots, n_head, positions, head_dim), ``max_len``
+        rounded up to whole chunks.
 
         Its storage holds one position more, never used: the keys a step reads are then never the whole
         buffer, so a step exported with its span as a dynamic size needs no case for the span that would be
         (``torch.export`` refused the span's range: whether the slice is contiguous depends on it).
         """
-        shape = (slots, config.n_head, max_len + 1, config.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device)[:, :, :max_len]
+        positions = -(-max_len // CHUNK) * CHUNK
+        shape = (slots, config.n_head, positions + 1, config.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device)[:, :, :positions]
 
     @classmethod
     def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
         """A cache over existing per-layer buffers (no copy), e.g. a traced step's inputs; lengths are 0."""
         cache = cls.__new__(cls)
         cache.k, cache.v = list(k), list(v)
-        cache.slots, cache.max_len = k[0].shape[0], k[0].shape[2]
+        cache.slots, cache.max_len = k[0].shape[0], k[0].shape[2]  # (whole chunks: a traced step's)
         cache.lengths = [0] * cache.slots
         return cache
 
     def layer(self, index: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's key and value buffers, each (slots, n_head, max_len, head_dim), or with ``slot``
-        that slot's alone, (1, n_head, max_len, head_dim) (views: writes land in the cache)."""
+        """One layer's key and value buffers, each (slots, n_head, positions, head_dim), or with ``slot``
+        that slot's alone, (1, n_head, positions, head_dim) (views: writes land in the cache)."""
         if slot is None:
             return self.k[index], self.v[index]
         return self.k[index][slot : slot + 1], self.v[index][slot : slot + 1]

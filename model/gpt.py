@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from model.attention import CausalAttention, Shared
+from model.attention import CHUNK, CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
 from model.embedding import TiedEmbedding
@@ -62,13 +62,8 @@ class Block(nn.Module):
         positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
-        segments: Sequence[tuple[int, int]] | None = None,
-        shared: Shared | None = None,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, segments=segments, shared=shared)
-        if not self.training:  # dropout is the identity: not calling it saves an eager decode step 24 calls
-            x = x + a
-            return x + self.mlp(self.ln_2(x))
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -161,7 +156,8 @@ class GPT(nn.Module):
             slot: with a cache, the one slot the single row (B = 1) belongs to; None: row ``i`` is slot
                 ``i`` and B equals the cache's slot count.
             span: how many cache positions attention reads (default: the whole slot, ``cache.max_len``);
-                a fixed span keeps a decode step's shapes static. Every position must be below it.
+                every position must be below it. A decode step (one token per row) reads it rounded up to
+                whole chunks of :data:`model.attention.CHUNK` positions.
             last_only: compute logits for the last position only (what generation needs).
 
         Returns:
@@ -177,58 +173,13 @@ class GPT(nn.Module):
                 raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
             x = self._reference(input_ids)
         else:
-            span, at = self._check_cached(input_ids, positions, cache, slot, span)
+            span = self._check_cached(input_ids, positions, cache, slot, span)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
-            shared = self.h[0].attn.shared(positions, span, cache.k[0].dtype, at)  # every layer's: made once
             for i, block in enumerate(self.h):
-                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, shared=shared)
+                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
-
-    def packed_prefill(
-        self, input_ids: torch.Tensor, cache: KVCache, segments: Sequence[tuple[int, int]]
-    ) -> torch.Tensor:
-        """Prefill several prompts in one pass: their keys and values go into their slots, and the hidden
-        states (after ``ln_f``) of every position come back, (T, n_embd).
-
-        Args:
-            input_ids: the prompts one after another, then any padding: (T,).
-            cache: the KV cache the prompts' slots belong to.
-            segments: ``(slot, length)`` of each prompt, in order; each prompt takes positions ``0 ..
-                length-1`` of its slot. Positions after the last prompt are padding: they run through the
-                projections but attend to nothing and write nothing.
-
-        Each prompt's attention is its own, with the shapes it has alone (see
-        :meth:`CausalAttention.forward`); only the projections and MLPs see all positions at once.
-
-        Raises:
-            ValueError: if a slot is out of range or repeated, a length is not positive, or the prompts do
-                not fit in ``input_ids`` or the cache.
-        """
-        slots = [slot for slot, _ in segments]
-        total = sum(length for _, length in segments)
-        if (
-            not segments
-            or len(set(slots)) != len(slots)
-            or any(not 0 <= s < cache.slots for s in slots)
-            or any(not 0 < length <= cache.max_len for _, length in segments)
-            or total > input_ids.shape[-1]
-        ):
-            raise ValueError(
-                f"segments {list(segments)} must be distinct slots in 0..{cache.slots - 1} with lengths in "
-                f"1..{cache.max_len}, together at most the {input_ids.shape[-1]} ids given"
-            )
-        positions = torch.zeros(input_ids.shape[-1], dtype=torch.long, device=input_ids.device)
-        start = 0
-        for _, length in segments:
-            positions[start : start + length] = torch.arange(length, device=input_ids.device)
-            start += length
-        ids, positions = input_ids.reshape(1, -1), positions[None]
-        x = self.drop(self.wte(ids) + self.wpe(positions))  # (1, T, C)
-        for i, block in enumerate(self.h):
-            x = block(x, positions=positions, kv=cache.layer(i), segments=segments)
-        return self.ln_f(x)[0]
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The reference forward up to the output head: (B, T, n_embd), after ``ln_f``.
@@ -279,10 +230,9 @@ class GPT(nn.Module):
         cache: KVCache,
         slot: int | None,
         span: int | None,
-    ) -> tuple[int, int | None]:
-        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span and,
-        where every row writes one token at the same position (a decode step at batch 1, say) and the
-        positions were read (outside a compiled graph), that position, else None."""
+    ) -> int:
+        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span it
+        reads: ``span`` (default ``cache.max_len``), for a decode step rounded up to whole chunks."""
         b, t = input_ids.shape
         if positions is None or tuple(positions.shape) != (b, t):
             shape = None if positions is None else tuple(positions.shape)
@@ -299,16 +249,15 @@ class GPT(nn.Module):
         span = cache.max_len if span is None else span
         if not 0 < span <= cache.max_len:
             raise ValueError(f"span={span} must be in 1..{cache.max_len} (the cache's max_len)")
-        if torch.compiler.is_compiling():
-            return span, None
-        low, high = int(positions.min()), int(positions.max())
-        if low < 0 or high >= span:
-            raise ValueError(
-                f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
-                f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
-                "larger cache or shorten the input"
-            )
-        return span, low if low == high and t == 1 else None
+        if not torch.compiler.is_compiling():
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= span:
+                raise ValueError(
+                    f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
+                    f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
+                    "larger cache or shorten the input"
+                )
+        return -(-span // CHUNK) * CHUNK if t == 1 else span
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -5,7 +5,7 @@ import torch
 
 import checkpoints
 import generate
-from conftest import make_model
+from helpers import make_model
 from model import GPTConfig
 
 WINDOW = 128
@@ -339,15 +339,3 @@ def test_prompts_from_any_iterable_and_binary_ones_named(gen):
         gen.generate(b"a prompt")
     with pytest.raises(TypeError, match=r"a prompt must be a str, got int"):
         gen.generate(5)
-
-
-def test_spans_hold_what_is_asked_with_at_most_half_again():
-    from generate.runner import decode_spans, next_span
-
-    spans = [next_span(n) for n in range(1, 2049)]
-    assert sorted(set(spans)) == [64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
-    for n, span in enumerate(spans, start=1):
-        assert span >= n and (span == 64 or span < 1.5 * n)
-    assert decode_spans(1024) == (64, 96, 128, 192, 256, 384, 512, 768, 1024)
-    assert decode_spans(300) == (64, 96, 128, 192, 256, 300)  # the cache's own length last
-    assert decode_spans(64) == (64,) and decode_spans(40) == (40,)

@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TINY_CONFIGS, make_model
+from helpers import TINY_CONFIGS, make_model
 from model import CausalAttention, KVCache
+from model.attention import CHUNK
 
 # "Your journey starts with one step", 3-d embeddings, as in the seeds' worked example.
 INPUTS = torch.tensor(
@@ -76,7 +77,7 @@ def test_kv_buffers_at_explicit_positions_equal_full_sequence():
     torch.manual_seed(2)
     attn = CausalAttention(8, 8, 16, num_heads=2).eval()
     x = torch.randn(2, 9, 8)
-    k_buf, v_buf = torch.zeros(2, 2, 16, 4), torch.zeros(2, 2, 16, 4)
+    k_buf, v_buf = torch.zeros(2, 2, CHUNK, 4), torch.zeros(2, 2, CHUNK, 4)  # (a decode step reads chunks)
     parts, start = [], 0
     for size in (4, 1, 3, 1):  # uneven chunks
         positions = torch.arange(start, start + size).expand(2, -1)
@@ -90,7 +91,7 @@ def test_each_row_attends_only_up_to_its_own_position():
     torch.manual_seed(3)
     attn = CausalAttention(8, 8, 16, num_heads=2).eval()
     seqs = [torch.randn(1, 3, 8), torch.randn(1, 7, 8)]
-    k_buf, v_buf = torch.full((2, 2, 16, 4), 1e4), torch.full((2, 2, 16, 4), 1e4)  # unwritten: garbage
+    k_buf, v_buf = torch.full((2, 2, CHUNK, 4), 1e4), torch.full((2, 2, CHUNK, 4), 1e4)  # unwritten: garbage
     for row, s in enumerate(seqs):
         kv = (k_buf[row : row + 1], v_buf[row : row + 1])
         attn(s[:, :-1], positions=torch.arange(s.shape[1] - 1)[None], kv=kv)
@@ -100,32 +101,36 @@ def test_each_row_attends_only_up_to_its_own_position():
         assert torch.allclose(out[row], attn(s)[0, -1:], atol=1e-6), row
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_position_for_every_row_writes_and_attends_as_indexed_writes_do(dtype):
-    # Where the caller knows every row writes at one position (an eager decode step at batch 1), the writes
-    # are copies into a view of the cache: the same cache and output bits as the indexed writes.
-    torch.manual_seed(4)
-    attn = CausalAttention(8, 8, 16, num_heads=2).eval().to(dtype)
-    q, k, v = (torch.randn(3, 2, 1, 4, dtype=dtype) for _ in range(3))
-    positions = torch.full((3, 1), 5)
-    start = torch.randn(2, 3, 2, 16, 4, dtype=dtype)
-    runs = []
-    for at in (None, 5):
-        kv = (start[0].clone(), start[1].clone())
-        out = attn._cached(q, k, v, positions, kv, 16, attn.shared(positions, 16, dtype, at))
-        runs.append((out, *kv))
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    assert torch.equal(runs[0][1][:, :, 5:6], k) and not torch.equal(runs[0][1], start[0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_decode_row_has_the_same_bits_over_any_span_and_beside_any_rows(dtype):
+    # The arrangement the engine's promise rests on: in a call of a fixed row count, a row's decode
+    # attention depends on that row alone, whatever the number of chunks read (set by the furthest row) and
+    # whatever the other rows hold.
+    torch.manual_seed(5)
+    chunks = 4
+    attn = CausalAttention(16, 16, chunks * CHUNK, num_heads=2).eval().to(dtype)
+    x = torch.randn(3, 1, 16).to(dtype)
+    for position in (0, 5, CHUNK - 1, CHUNK, 2 * CHUNK + 7):
+        outs = []
+        for trial, span in enumerate(range((position // CHUNK + 1) * CHUNK, chunks * CHUNK + 1, CHUNK)):
+            k_buf = torch.randn(3, 2, chunks * CHUNK, 8).to(dtype) * (trial + 1)  # other rows: anything
+            v_buf = torch.randn(3, 2, chunks * CHUNK, 8).to(dtype) * (trial + 1)
+            torch.manual_seed(position)  # row 0: the same keys and values every time
+            k_buf[0], v_buf[0] = torch.randn(2, 2, chunks * CHUNK, 8).to(dtype)
+            k_buf[0, :, position + 1 :] = 0  # past the row's position: as the engine keeps it (cleared)
+            v_buf[0, :, position + 1 :] = 0
+            inputs = torch.cat([x[:1], torch.randn(2, 1, 16).to(dtype)])
+            positions = torch.tensor([[position], [span - 1], [trial]])
+            outs.append(attn(inputs, positions=positions, kv=(k_buf, v_buf), span=span)[0])
+        assert len(outs) >= 2 or position >= 2 * CHUNK
+        assert all(torch.equal(outs[0], out) for out in outs), position
 
 
-def test_a_cached_call_names_its_one_position_only_where_there_is_one():
-    model = make_model(TINY_CONFIGS["2x2x32"])
-    cache = KVCache(model.config, 2, 16)
-    ids = torch.zeros(2, 1, dtype=torch.long)
-    assert model._check_cached(ids, torch.tensor([[3], [3]]), cache, None, None) == (16, 3)
-    assert model._check_cached(ids, torch.tensor([[3], [4]]), cache, None, None) == (16, None)
-    ids = torch.zeros(1, 2, dtype=torch.long)
-    assert model._check_cached(ids, torch.tensor([[3, 4]]), cache, 0, 8) == (8, None)
+def test_a_decode_step_reads_whole_chunks():
+    attn = CausalAttention(8, 8, 100, num_heads=2).eval()
+    kv = (torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))
+    with pytest.raises(ValueError, match=f"whole chunks of {CHUNK}"):
+        attn(torch.randn(1, 1, 8), positions=torch.tensor([[3]]), kv=kv, span=100)
 
 
 def test_dropout_only_in_training():

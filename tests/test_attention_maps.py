@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _hf_helpers import save_hf
+from helpers import save_hf
 
 import generate
 from generate.tools import attention_main

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, make_model
+from helpers import TINY_CONFIGS, make_model
 from model import GPTConfig, KVCache
 
 
@@ -11,8 +11,8 @@ def test_each_slot_is_written_in_place_at_its_own_positions():
     config = TINY_CONFIGS["5x3x48"]
     model = make_model(config)
     cache = KVCache(config, 2, 20)
-    assert len(cache.k) == 5 and cache.k[0].shape == (2, 3, 20, 16)
-    assert cache.nbytes == 2 * 5 * 2 * 3 * 21 * 16 * 4  # (one position more in storage, never used)
+    assert len(cache.k) == 5 and cache.k[0].shape == (2, 3, 64, 16)  # 20 positions in whole chunks
+    assert cache.nbytes == 2 * 5 * 2 * 3 * 65 * 16 * 4  # (one position more in storage, never used)
     ptrs = [b.data_ptr() for b in cache.k]
     with torch.no_grad():
         model(torch.ones(1, 6, dtype=torch.long), positions=torch.arange(6)[None], cache=cache, slot=1)

@@ -11,7 +11,7 @@ import pytest
 
 import checkpoints
 import generate
-from conftest import make_model
+from helpers import make_model
 from generate.cli import build_parser, main
 from model import GPTConfig
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoints
 import generate.engine
-from conftest import make_model
+from helpers import make_model
 from generate.cli import main
 from model import GPTConfig
 

@@ -11,7 +11,7 @@ import struct
 import time
 
 import pytest
-from _hf_helpers import tiny_checkpoint
+from helpers import tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import TINY_CONFIGS, make_model
+from helpers import TINY_CONFIGS, make_model
 from model import GPT, GPTConfig, KVCache
 
 
@@ -77,7 +77,7 @@ def test_input_errors_name_the_limit():
 
 
 def test_layers_share_one_causal_mask(tmp_path):
-    from _hf_helpers import tiny_checkpoint
+    from helpers import tiny_checkpoint
 
     import checkpoints
 

@@ -4,7 +4,7 @@ included), the tied lookup, streamed loading, cached decoding of the quantized m
 import pytest
 import torch
 
-from conftest import INT4_CONFIG, TINY_CONFIGS, cached_logits, make_model
+from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, make_model
 from generate import SamplingParams, generate_ids
 from model import int4
 from model.int4 import Int4Linear, Int4TiedEmbedding, dequantize, quantize_groups, quantize_int4
@@ -98,14 +98,8 @@ def test_int4_cached_decoding_tracks_its_own_full_forward():
 
 @pytest.mark.parametrize("mode", ["int4", "int4-body"])
 def test_an_int4_engine_with_rows_joining_mid_run_tracks_the_full_forward_at_every_prefix(mode):
-    from test_prefix_consistency import (
-        BF16_TOL,
-        assert_engine_matches_full_forward,
-        mixed_requests,
-        run_and_record,
-    )
-
     from generate.engine import Engine
+    from helpers import BF16_TOL, assert_engine_matches_full_forward, mixed_requests, run_and_record
 
     model = quantize_int4(make_model(INT4_CONFIG, seed=4, std=0.1), 32, include_head=mode == "int4")
     requests = mixed_requests(INT4_CONFIG, 4)

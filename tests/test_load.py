@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from _hf_helpers import assert_same_logits, random_ids, save_hf, tiny_checkpoint
+from helpers import assert_same_logits, random_ids, save_hf, tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 import checkpoints

@@ -13,7 +13,7 @@ import torch
 
 import checkpoints
 import generate.memory as memory
-from conftest import TINY_CONFIGS, make_model
+from helpers import TINY_CONFIGS, make_model
 from generate.engine import Engine
 from model import GPTConfig
 

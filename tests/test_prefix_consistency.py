@@ -14,16 +14,20 @@ that and stays far below what a wrong mask, position or slot causes (errors the 
 import pytest
 import torch
 
-from conftest import FP32_ROUTES, TINY_CONFIGS, cached_logits, make_model
 from generate.engine import Engine
 from generate.request import Request
-from generate.runner import decode_spans
-from generate.sampling import SamplingParams
+from helpers import (
+    BF16_TOL,
+    FP32_TOL,
+    GREEDY,
+    TINY_CONFIGS,
+    assert_engine_matches_full_forward,
+    cached_logits,
+    make_model,
+    mixed_requests,
+    run_and_record,
+)
 from model import GPTConfig
-
-FP32_TOL = 1e-5
-BF16_TOL = 0.08
-GREEDY = SamplingParams(temperature=0)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -84,93 +88,43 @@ def test_rows_at_different_positions_in_one_step_equal_each_row_alone(tiny_confi
             assert (torch.cat(got[s]) - model(row[None])[0]).abs().max().item() <= FP32_TOL, s
 
 
-def run_and_record(engine: Engine, requests: list[Request]) -> dict[int, list[torch.Tensor]]:
-    """Run requests through the engine, keeping every logit row it sampled from, per request."""
-    seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
-    choose = engine._choose
-
-    def spy(logits, rows):
-        for slot, i in rows.items():
-            seen[id(engine.running[slot])].append(logits[i].float().clone())
-        return choose(logits, rows)
-
-    engine._choose = spy
-    for r in requests:
-        engine.add(r)
-    for _ in engine.run():
-        pass
-    engine._choose = choose
-    return seen
-
-
-def assert_engine_matches_full_forward(model, requests, seen, tol):
-    for r in requests:
-        ids = torch.tensor([r.prompt + r.token_ids[:-1]])
-        with torch.no_grad():
-            full = model(ids)[0, len(r.prompt) - 1 :].float()  # the logits each chosen token came from
-        got = torch.stack(seen[id(r)])
-        assert got.shape == full.shape
-        assert (got - full).abs().max().item() <= tol, r.prompt
-
-
-def mixed_requests(config, seed, count=6):
-    """Requests of varied lengths and budgets: with fewer slots than requests, rows join mid-run."""
-    g = torch.Generator().manual_seed(seed)
-    n = config.n_positions
-    out = []
-    for i in range(count):
-        length = int(torch.randint(1, n - 12, (1,), generator=g))
-        prompt = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
-        out.append(Request(prompt, GREEDY, max_new_tokens=3 + 2 * i, eos_id=None))
-    return out
-
-
-@pytest.mark.parametrize("routes", FP32_ROUTES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed, routes):
-    # Every eager fp32 route (F.linear, oneDNN, the head in row blocks: generate/kernels.py), forced.
+def test_engine_with_rows_joining_mid_run_equals_full_forward_at_every_prefix(tiny_config, seed):
     model = make_model(tiny_config, seed=seed, std=0.3)
     requests = mixed_requests(tiny_config, seed)
-    engine = Engine(model, slots=2)
-    for name, value in routes.items():
-        setattr(engine.runner, name, value)
-    seen = run_and_record(engine, requests)
+    seen = run_and_record(Engine(model, slots=2), requests)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
 
 
-@pytest.mark.parametrize("upcast_rows", [None, 1], ids=["bf16", "upcast"])
-def test_bf16_engine_tracks_full_forward_at_every_prefix(tiny_config, upcast_rows):
-    # Both eager bf16 routes: oneDNN's bf16 products, and fp32 on upcast weights (what CPUs without native
-    # bf16 take, generate/kernels.py), whichever this machine would pick.
+def test_bf16_engine_tracks_full_forward_at_every_prefix(tiny_config):
     model = make_model(tiny_config, seed=5, std=0.1).to(torch.bfloat16)
     requests = mixed_requests(tiny_config, 5)
-    engine = Engine(model, slots=3)
-    engine.runner.upcast_rows = upcast_rows
-    seen = run_and_record(engine, requests)
+    seen = run_and_record(Engine(model, slots=3), requests)
     assert_engine_matches_full_forward(model, requests, seen, BF16_TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_engine_with_rows_joining_mid_run_equals_full_forward(dtype):
-    config = TINY_CONFIGS["2x2x32"]
-    model = make_model(config, seed=6, std=0.1 if dtype == torch.bfloat16 else 0.3).to(dtype)
-    requests = mixed_requests(config, 6, count=5)
-    seen = run_and_record(Engine(model, slots=2, compile=True), requests)
-    assert_engine_matches_full_forward(
-        model, requests, seen, FP32_TOL if dtype == torch.float32 else BF16_TOL
-    )
+# A 256-position window (four chunks of cache positions), filled to its end: generations that fill the window
+# while shorter rows join and leave, so the decode steps read one to four chunks.
+LONG_WINDOW = GPTConfig(vocab_size=97, n_positions=256, n_embd=48, n_layer=2, n_head=3)
 
 
+def whole_window_requests(seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length, budget in [(3, 300), (60, 20), (1, 90), (200, 100), (130, 2), (10, 40)]:
+        prompt = torch.randint(0, LONG_WINDOW.vocab_size, (length,), generator=g).tolist()
+        out.append(Request(prompt, GREEDY, max_new_tokens=budget, eos_id=None))
+    return out
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_engine_reading_the_span_of_its_rows_equals_full_forward_at_every_prefix(dtype):
-    # A 256-position window: the eager step reads 64, 96, ... 256 positions as the furthest row needs
-    # (generate/runner.py), here taken whatever the check at start found on this machine.
-    config = GPTConfig(vocab_size=97, n_positions=256, n_embd=48, n_layer=2, n_head=3)
-    model = make_model(config, seed=7, std=0.3 if dtype == torch.float32 else 0.1).to(dtype)
-    requests = mixed_requests(config, 7, count=8)
-    engine = Engine(model, slots=3)
-    engine.runner.spans = decode_spans(256)
-    seen = run_and_record(engine, requests)
+def test_generations_that_fill_the_window_equal_the_full_forward_at_every_prefix(dtype, compile):
+    model = make_model(LONG_WINDOW, seed=7, std=0.1).to(dtype)
+    requests = whole_window_requests(7)
+    seen = run_and_record(Engine(model, slots=3, compile=compile), requests)
+    assert requests[0].finish_reason == "length" and len(requests[0].prompt + requests[0].token_ids) == 256
+    assert requests[3].finish_reason == "length" and len(requests[3].token_ids) == 56  # the window's end
     assert_engine_matches_full_forward(
         model, requests, seen, FP32_TOL if dtype == torch.float32 else BF16_TOL
     )

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoints import load_tokenizer
-from conftest import greedy_by_recomputation, make_model
+from helpers import greedy_by_recomputation, make_model
 from generate import SamplingParams, generate_ids
 from model import GPTConfig, KVCache
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, cached_logits, make_model
+from helpers import TINY_CONFIGS, cached_logits, make_model
 from generate import SamplingParams, generate_ids
 from model.quant import Int8Linear, Int8TiedEmbedding, quantize_int8, quantize_rows
 

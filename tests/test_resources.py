@@ -8,7 +8,7 @@ import pytest
 
 import checkpoints
 import generate
-from conftest import make_model
+from helpers import make_model
 from model import GPTConfig
 
 

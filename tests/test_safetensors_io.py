@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from _hf_helpers import tiny_checkpoint
+from helpers import tiny_checkpoint
 
 import checkpoints
 from checkpoints import CheckpointError

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 import transformers
-from _hf_helpers import assert_same_logits, random_ids, save_hf
+from helpers import assert_same_logits, random_ids, save_hf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import checkpoints
 import checkpoints.safetensors_io
-from conftest import make_model
+from helpers import make_model
 from model import GPT, GPTConfig
 
 CONFIGS = {

@@ -13,14 +13,14 @@ import sys
 
 import pytest
 import torch
-from _hf_helpers import save_hf
+from helpers import save_hf
 from hypothesis import given
 from hypothesis import strategies as st
 
 import checkpoints
 import generate
 from checkpoints.load import SHIPPED_DIR
-from conftest import make_model
+from helpers import make_model
 from generate.score import Window, plan_windows
 from generate.tools import score_main
 from model import GPTConfig

@@ -22,7 +22,7 @@ import pytest
 
 import checkpoints
 import generate
-from conftest import make_model
+from helpers import make_model
 from generate.openai_api import render_chat
 from model import GPTConfig
 

@@ -1,0 +1,153 @@
+"""Shared helpers for the tests: tiny configurations and models, references, and tiny HF checkpoints (built
+and saved here, never downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+import checkpoints
+from generate.engine import Engine
+from generate.request import Request
+from generate.sampling import SamplingParams
+from model import GPT, GPTConfig, KVCache
+
+# Tolerances against the full forward (test_prefix_consistency's docstring says why these).
+FP32_TOL = 1e-5
+BF16_TOL = 0.08
+GREEDY = SamplingParams(temperature=0)
+
+# Small but varied shapes: odd head counts, short windows, a non-default MLP width and activation.
+TINY_CONFIGS = {
+    "2x2x32": GPTConfig(vocab_size=211, n_positions=64, n_embd=32, n_layer=2, n_head=2),
+    "5x3x48": GPTConfig(vocab_size=97, n_positions=40, n_embd=48, n_layer=5, n_head=3),
+    "1x1x16-relu": GPTConfig(
+        vocab_size=50, n_positions=48, n_embd=16, n_layer=1, n_head=1, n_inner=24, activation_function="relu"
+    ),
+}
+
+# For int4 (its group sizes must divide every linear layer's input width): 64 and 256, a 97-token vocabulary
+# (a head padded to 128 rows), and TINY_CONFIGS["5x3x48"]'s vocabulary and window.
+INT4_CONFIG = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=3, n_head=2)
+
+
+def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:
+    """A randomly initialised model in eval mode. A larger ``std`` gives clear argmax margins."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    if std != 0.02:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2 or "ln" not in name:
+                    p.normal_(0.0, std)
+    return model.eval()
+
+
+def greedy_by_recomputation(model: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: rerun the whole sequence through the uncached forward for every new token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < max_new_tokens and len(ids) < model.config.n_positions:
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def cached_logits(
+    model: GPT, ids: torch.Tensor, chunks: list[int], max_len: int | None = None
+) -> torch.Tensor:
+    """Logits for every position of ``ids`` (B, T) computed through a KV cache, ``chunks`` positions at a
+    time, every row in its own slot at explicit positions."""
+    b, t = ids.shape
+    cache = KVCache(model.config, b, max_len or t, dtype=model.compute_dtype)
+    out, start = [], 0
+    for size in chunks:
+        positions = torch.arange(start, start + size).expand(b, -1)
+        out.append(model(ids[:, start : start + size], positions=positions, cache=cache))
+        start += size
+    assert start == t
+    return torch.cat(out, dim=1)
+
+
+def hf_model(seed: int = 0, **config: object) -> transformers.GPT2LMHeadModel:
+    """A randomly initialised ``GPT2LMHeadModel`` in eval mode, fp32.
+
+    Every parameter (biases and LayerNorms included) is perturbed away from its init, so a weight that is
+    dropped, transposed or misplaced on load changes the logits.
+    """
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=0, eos_token_id=0, **config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def save_hf(directory: Path, seed: int = 0, **config: object) -> transformers.GPT2LMHeadModel:
+    """Build :func:`hf_model` and ``save_pretrained`` it (safetensors) to ``directory``."""
+    model = hf_model(seed, **config)
+    model.save_pretrained(directory)
+    return model
+
+
+def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """(batch, length) token ids drawn with their own generator."""
+    return torch.randint(0, vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def assert_same_logits(ours: GPT, hf: transformers.GPT2LMHeadModel, ids: torch.Tensor, atol: float) -> None:
+    """Our logits equal Hugging Face's on ``ids`` within ``atol`` (both in fp32)."""
+    expected = hf(ids).logits
+    actual = ours(ids)
+    assert actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+
+
+def tiny_checkpoint(directory: Path) -> tuple[Path, GPT]:
+    """A 1-layer checkpoint (vocab 50, width 32) written by our own ``save``; fast, and in the HF layout."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, n_positions=8, n_embd=32, n_layer=1, n_head=2)).eval()
+    return checkpoints.save(model, directory), model
+
+
+def run_and_record(engine: Engine, requests: list[Request]) -> dict[int, list[torch.Tensor]]:
+    """Run requests through the engine, keeping every logit row it sampled from, per request."""
+    seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
+    choose = engine._choose
+
+    def spy(logits, rows):
+        for slot, i in rows.items():
+            seen[id(engine.running[slot])].append(logits[i].float().clone())
+        return choose(logits, rows)
+
+    engine._choose = spy
+    for r in requests:
+        engine.add(r)
+    for _ in engine.run():
+        pass
+    engine._choose = choose
+    return seen
+
+
+def assert_engine_matches_full_forward(model, requests, seen, tol):
+    for r in requests:
+        ids = torch.tensor([r.prompt + r.token_ids[:-1]])
+        with torch.no_grad():
+            full = model(ids)[0, len(r.prompt) - 1 :].float()  # the logits each chosen token came from
+        got = torch.stack(seen[id(r)])
+        assert got.shape == full.shape
+        assert (got - full).abs().max().item() <= tol, r.prompt
+
+
+def mixed_requests(config, seed, count=6):
+    """Requests of varied lengths and budgets: with fewer slots than requests, rows join mid-run."""
+    g = torch.Generator().manual_seed(seed)
+    n = config.n_positions
+    out = []
+    for i in range(count):
+        length = int(torch.randint(1, n - 12, (1,), generator=g))
+        prompt = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
+        out.append(Request(prompt, GREEDY, max_new_tokens=3 + 2 * i, eos_id=None))
+    return out
