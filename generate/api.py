@@ -20,6 +20,7 @@ from generate.score import Score, score_ids
 from model import GPT, GPTConfig
 
 DEFAULT_CHECKPOINT = "shakespeare"
+DEFAULT_SLOTS = 8
 
 
 @dataclass
@@ -50,8 +51,15 @@ class Generator:
     Args:
         model: the model (put in eval mode here).
         tokenizer: the GPT-2 tiktoken encoding (default: the vendored one).
-        compile: run decode steps compiled (:mod:`generate.compiled`); the first call of each batch shape
-            compiles it.
+        compile: run decode steps compiled (:mod:`generate.compiled`): compiled once per checkpoint, dtype
+            and engine width, then every call of any length runs on it.
+        slots: how many prompts run at once (the engine's width); a longer list runs ``slots`` at a time,
+            each prompt taking a slot as soon as one is free.
+        deterministic: run every call in an engine of exactly ``slots`` rows, so that a prompt gives the
+            same tokens and log-probabilities, bit for bit, alone or in a list of any length. False: an
+            engine only as wide as the call needs (a lone prompt in one row), which may differ in the last
+            bits of fp32 and fp16 logits from the same prompt in a list.
+        progress: called with a line of text while a decode step compiles.
     """
 
     def __init__(
@@ -60,13 +68,22 @@ class Generator:
         tokenizer: tiktoken.Encoding | None = None,
         *,
         compile: bool = False,
+        slots: int = DEFAULT_SLOTS,
+        deterministic: bool = True,
         progress: Callable[[str], None] | None = None,
     ) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
-        self.compile = compile
+        self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
         self.progress = progress
         self._engine: Engine | None = None
+
+    def width(self, count: int) -> int:
+        """The engine width a call of ``count`` prompts runs in: :attr:`slots` when deterministic, else
+        only as many as the call needs."""
+        return self.slots if self.deterministic else max(1, min(self.slots, count))
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt text to token ids. ``"<|endoftext|>"`` in the text is plain text, not the special token;
@@ -168,9 +185,9 @@ class Generator:
         return self._engine
 
     def _run(
-        self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None, slots: int = 1
+        self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None
     ) -> PyGenerator[tuple[int, str], None, list[Completion]]:
-        """Run encoded prompts in an engine of up to ``slots`` slots (a prompt joins as soon as one is free):
+        """Run encoded prompts in an engine of :meth:`width` (a prompt joins as soon as a slot is free):
         yield (row, settled text) as it comes; return the completions."""
         stop = options.pop("stop")
         max_new_tokens = options.pop("max_new_tokens")
@@ -184,7 +201,7 @@ class Generator:
                             logprobs=logprobs) for p, s in zip(ids, seeds, strict=True)]  # fmt: skip
         check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
-        engine = self.engine(min(slots, len(ids)), longest)
+        engine = self.engine(self.width(len(ids)), longest)
         rows = {id(r): i for i, r in enumerate(requests)}
         for r in requests:
             engine.add(r)
@@ -219,12 +236,12 @@ class Generator:
         stop: str | Sequence[str] | None = None,
         seed: int | Sequence[int | None] | None = None,
         logprobs: bool = False,
-        batch_size: int = 16,
     ) -> Completion | list[Completion]:
         """Continue one prompt (returns a :class:`Completion`) or several (returns a list, in order).
 
-        Several prompts run together in up to ``batch_size`` slots, a prompt taking a slot as soon as one
-        is free; each prompt's output is what it gives alone (see the README on batch invariance).
+        Several prompts run together in the generator's :attr:`slots`, a prompt taking a slot as soon as
+        one is free; each prompt's output is what it gives alone (bit for bit where :attr:`deterministic`;
+        docs/engine.md says what holds).
         Sampling options are those of :class:`generate.SamplingParams`.
 
         Args:
@@ -235,7 +252,6 @@ class Generator:
             seed: a seed that makes sampling reproducible (the same for a prompt alone or in a batch),
                 or one seed per prompt.
             logprobs: return each generated token's log-probability.
-            batch_size: the most prompts run together.
 
         Raises:
             ValueError: for a parameter out of range or a prompt that does not fit the model's window.
@@ -255,8 +271,6 @@ class Generator:
         ids = [self.encode(p) for p in prompt]
         if not ids:
             return []  # a batch of no prompts has no completions
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(ids)
         if len(seeds) != len(ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
@@ -264,7 +278,7 @@ class Generator:
             check_seed(s)
         # Every prompt is checked before the first batch runs, and an error names it by its index in `prompt`.
         check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
-        return self._drain(self._run(ids, options, seeds, slots=batch_size))
+        return self._drain(self._run(ids, options, seeds))
 
     @staticmethod
     def _drain(run: PyGenerator[tuple[int, str], None, list[Completion]]) -> list[Completion]:
@@ -312,6 +326,9 @@ def load(
     dtype: torch.dtype | str | None = None,
     group_size: int | None = None,
     compile: bool = False,
+    slots: int = DEFAULT_SLOTS,
+    deterministic: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Generator:
     """Load a checkpoint (see :func:`checkpoints.load`) and the tokenizer into a :class:`Generator`.
 
@@ -325,10 +342,13 @@ def load(
             weights in groups).
         group_size: int4's group size: 32 (default), 64 or 128.
         compile: run decode steps compiled (see :class:`Generator`).
+        slots: how many prompts run at once (see :class:`Generator`).
+        deterministic: the same bits alone or in a list (see :class:`Generator`).
+        progress: called with a line of text while a decode step compiles.
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
     model = checkpoints.load(source, config=config, device=device, dtype=dtype, group_size=group_size)
-    return Generator(model, compile=compile)
+    return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress)

@@ -142,12 +142,16 @@ def import_holding_signals(name: str) -> None:
         held[signum](signum, None)  # default_int_handler raises KeyboardInterrupt here
 
 
-def load_generator(args: argparse.Namespace) -> Generator:
-    """Load the model the options of :func:`add_model_options` (and ``--checkpoint``, ``--compile``) name."""
-    from generate.api import load
+def load_generator(args: argparse.Namespace, slots: int | None = None) -> Generator:
+    """Load the model the options of :func:`add_model_options` (and ``--checkpoint``, ``--compile``,
+    ``--no-deterministic`` where the command has them) name, for an engine of ``slots`` rows (default 8);
+    compile progress goes to the log."""
+    from generate.api import DEFAULT_SLOTS, load
 
+    deterministic = not getattr(args, "no_deterministic", False)
     return load(args.checkpoint, config=args.config, device=args.device, dtype=args.dtype,
-                group_size=args.group_size, compile=args.compile)  # fmt: skip
+                group_size=args.group_size, compile=args.compile, slots=slots or DEFAULT_SLOTS,
+                deterministic=deterministic)  # fmt: skip
 
 
 def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
@@ -187,7 +191,7 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
         r"newline, tab, carriage return and backslash; any other backslash is kept as is",
     )
     p.add_argument("--num-samples", type=int, default=1, help="completions per prompt (default 1)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts run together at most (default 16)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts run together at most (default 8)")
     p.add_argument(
         "--json",
         action="store_true",
@@ -200,8 +204,15 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="run the decode step compiled: about a minute to compile the first time for each shape, then "
-        "kept on disk and loaded in seconds; pays off for long or many generations",
+        help="run the decode step compiled: a minute or more to compile the first time for each checkpoint, "
+        "dtype and --batch-size, then kept on disk and loaded in seconds; pays off for long or many "
+        "generations",
+    )
+    p.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="run a lone prompt in a one-row engine (faster) instead of --batch-size rows; its fp32 and fp16 "
+        "log-probabilities may then differ in the last bits from the same prompt in a batch",
     )
     return p  # fmt: skip
 
@@ -346,7 +357,7 @@ def _run(gen: Generator, prompts: list[str], args: argparse.Namespace, out: _Out
     while batch := list(itertools.islice(rows, size)):
         seeds = [None if args.seed is None else args.seed + k for _, k in batch]
         t0 = time.perf_counter()
-        outs = gen.generate([p for p, _ in batch], seed=seeds, batch_size=size, **options)
+        outs = gen.generate([p for p, _ in batch], seed=seeds, **options)
         seconds = time.perf_counter() - t0
         new_tokens = sum(len(o.token_ids) for o in outs)
         for (prompt, k), completion in zip(batch, outs, strict=True):
@@ -376,7 +387,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
         handler.setFormatter(logging.Formatter("generate: %(message)s"))
         logging.getLogger("gptgen").addHandler(handler)
         logging.getLogger("gptgen").setLevel(logging.INFO)
-    gen = load_generator(args)
+    gen = load_generator(args, slots=args.batch_size)
     _check_prompts(gen, prompts, args.prompts_file)
     _run(gen, [prompt for _, prompt in prompts], args, out)
 

@@ -285,8 +285,9 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step
                     step = _load(path)
                     prune(path.parent, path, limit)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
+            advice = "set GPTGEN_CACHE_DIR to a writable directory to keep it"
             log.warning("could not keep the compiled step in %s (%s); compiling it for this process only "
-                        "(set GPTGEN_CACHE_DIR to a writable directory to keep it)", path.parent, e)  # fmt: skip
+                        "(%s)", path.parent, e, advice)  # fmt: skip
             directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
             _package(model, cache, directory / path.name, progress)
             step = _load(directory / path.name)
@@ -313,12 +314,12 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
     cuda = model.device.type == "cuda"
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
     what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
-    tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
     with (
         _progress(what, progress),
-        torch.inference_mode(),
+        torch.inference_mode(),  # (the engine's steps are; dynamo guards on it)
         torch._inductor.config.patch({} if cuda else CPU_OPTIONS),
     ):
+        tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
         compiled(tokens, torch.zeros_like(tokens))  # writes position 0 of every slot (cleared on join)
     return lambda tokens, positions, span: compiled(tokens, positions)
 

@@ -248,8 +248,9 @@ class Engine:
         return sampling.greedy and not sampling.penalized
 
     def _free(self, slot: int) -> None:
-        del self.running[slot]
-        del self._state[slot]
+        request = self.running.pop(slot)
+        self._state.pop(slot, None)  # (none yet where its prefill failed)
+        self._generators.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0
 

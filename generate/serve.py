@@ -189,9 +189,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        if args.compile:
-            logging.getLogger("gptgen").info("compiling the decode step (%d slots)", args.max_slots)
-        gen = load_generator(args)
+        gen = load_generator(args, slots=args.max_slots)
         loop = state.attach(gen, gen.engine(args.max_slots, gen.model.config.n_positions))
     except KeyboardInterrupt:
         thread.join()

@@ -370,7 +370,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     else:
         from generate.batch import run_file
 
-        gen = load_generator(args)
+        gen = load_generator(args, slots=args.batch_size)
         show = None if args.no_progress else _progress(start, "generating", "rows")
         ran, skipped = run_file(
             gen,

@@ -59,9 +59,39 @@ def test_a_list_of_prompts_gives_completions_in_order(gen):
     alone = [gen.generate(p, max_new_tokens=5, temperature=0) for p in prompts]
     assert [o.token_ids for o in outs] == [a.token_ids for a in alone]
     assert [o.text for o in outs] == [a.text for a in alone]
-    # Small batches give the same answers, still in order.
-    chunked = gen.generate(prompts, max_new_tokens=5, temperature=0, batch_size=3)
+    # A narrower engine, the list running three at a time, gives the same answers, still in order.
+    narrow = generate.Generator(gen.model, gen.tokenizer, slots=3)
+    chunked = narrow.generate(prompts, max_new_tokens=5, temperature=0)
     assert [o.token_ids for o in chunked] == [a.token_ids for a in alone]
+
+
+PROMPTS = ["Hello world", "A", "The quick brown fox jumps over", "x y", "To be, or not", "1 2 3 4 5 6", "z"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
+def test_a_prompt_alone_and_in_a_list_gives_the_same_bits(dtype, tmp_path):
+    # Deterministic (the default): every call runs in an engine of `slots` rows, a lone prompt included, so
+    # its tokens and logprobs are the same bits alone as in a list longer than the engine (run in turns).
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=WINDOW)
+    checkpoints.save(make_model(config, seed=3, std=0.1), tmp_path)
+    gen = generate.load(tmp_path, dtype=dtype, slots=4)
+    options = dict(max_new_tokens=12, temperature=0.8, top_p=0.9, logprobs=True)
+    together = gen.generate(PROMPTS, seed=list(range(len(PROMPTS))), **options)
+    for i, prompt in enumerate(PROMPTS):
+        alone = gen.generate(prompt, seed=i, **options)
+        assert (alone.token_ids, alone.logprobs) == (together[i].token_ids, together[i].logprobs), prompt
+    assert gen.engine(4, 8).slots == 4
+
+
+def test_without_determinism_a_lone_prompt_runs_in_one_row():
+    model = make_model(CONFIG, seed=0, std=0.3)
+    fast = generate.Generator(model, deterministic=False)
+    assert (fast.width(1), fast.width(5), fast.width(100)) == (1, 5, 8)
+    sure = generate.Generator(model)
+    assert (sure.width(1), sure.width(100)) == (8, 8)
+    assert [o.token_ids for o in fast.generate(PROMPTS, max_new_tokens=5, temperature=0)] == [
+        o.token_ids for o in sure.generate(PROMPTS, max_new_tokens=5, temperature=0)
+    ]
 
 
 def test_an_empty_list_gives_an_empty_list(gen):
@@ -297,8 +327,8 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(ge
 def test_sampling_parameters_are_validated(gen):
     with pytest.raises(ValueError, match=r"top_p=1\.5 is out of range"):
         gen.generate("Hello", top_p=1.5)
-    with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 0"):
-        gen.generate(["Hello"], batch_size=0)
+    with pytest.raises(ValueError, match=r"slots must be a positive integer, got 0"):
+        generate.Generator(gen.model, gen.tokenizer, slots=0)
 
 
 def test_a_whitespace_only_prompt_is_a_prompt(gen):
@@ -314,7 +344,7 @@ def test_a_list_error_names_the_prompt_by_its_index_before_any_batch_runs(gen, m
     with pytest.raises(
         ValueError, match=r"^prompt 20: the prompt has \d+ tokens but the model's window is 128"
     ):
-        gen.generate(prompts, max_new_tokens=2, batch_size=4)
+        gen.generate(prompts, max_new_tokens=2)
     assert ran == []  # nothing was generated for the first 20 prompts
 
 

@@ -4,8 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TINY_CONFIGS, make_model
-from model import CausalAttention, KVCache
+from model import CausalAttention
 from model.attention import CHUNK
 
 # "Your journey starts with one step", 3-d embeddings, as in the seeds' worked example.

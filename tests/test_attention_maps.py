@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from helpers import save_hf
 
 import generate
 from generate.tools import attention_main
+from helpers import save_hf
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind"
 N_LAYER, N_HEAD, WINDOW = 3, 4, 32

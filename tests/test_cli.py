@@ -11,8 +11,8 @@ import pytest
 
 import checkpoints
 import generate
-from helpers import make_model
 from generate.cli import build_parser, main
+from helpers import make_model
 from model import GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent

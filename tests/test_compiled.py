@@ -14,8 +14,14 @@ import torch
 
 import generate.compiled as compiled
 from generate.engine import Engine
-from helpers import FP32_TOL, TINY_CONFIGS, assert_engine_matches_full_forward, make_model, mixed_requests
-from helpers import run_and_record
+from helpers import (
+    FP32_TOL,
+    TINY_CONFIGS,
+    assert_engine_matches_full_forward,
+    make_model,
+    mixed_requests,
+    run_and_record,
+)
 from model import KVCache
 
 CONFIG = TINY_CONFIGS["2x2x32"]
@@ -144,7 +150,7 @@ def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatc
     assert compiled.cache_limit_bytes() == 2**29
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", bad)
-        with pytest.raises(ValueError, match="GPTGEN_CACHE_MAX_GB=.* is not a number of GiB"):
+        with pytest.raises(ValueError, match=r"GPTGEN_CACHE_MAX_GB=.* is not a number of GiB"):
             compiled.cache_limit_bytes()
 
 

@@ -5,8 +5,8 @@ import torch
 import transformers
 
 import checkpoints
-from helpers import TINY_CONFIGS, greedy_by_recomputation, make_model
 from generate import GenerationError, SamplingParams, generate_ids
+from helpers import TINY_CONFIGS, greedy_by_recomputation, make_model
 
 GREEDY = SamplingParams(temperature=0)
 

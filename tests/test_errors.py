@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import checkpoints
 import generate.engine
-from helpers import make_model
 from generate.cli import main
+from helpers import make_model
 from model import GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,12 +11,12 @@ import struct
 import time
 
 import pytest
-from helpers import tiny_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import checkpoints
 from checkpoints import CheckpointError
+from helpers import tiny_checkpoint
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -77,9 +77,8 @@ def test_input_errors_name_the_limit():
 
 
 def test_layers_share_one_causal_mask(tmp_path):
-    from helpers import tiny_checkpoint
-
     import checkpoints
+    from helpers import tiny_checkpoint
 
     def shared(model: GPT) -> bool:
         n = model.config.n_positions

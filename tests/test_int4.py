@@ -4,8 +4,8 @@ included), the tied lookup, streamed loading, cached decoding of the quantized m
 import pytest
 import torch
 
-from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, make_model
 from generate import SamplingParams, generate_ids
+from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, make_model
 from model import int4
 from model.int4 import Int4Linear, Int4TiedEmbedding, dequantize, quantize_groups, quantize_int4
 

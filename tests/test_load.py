@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_same_logits, random_ids, save_hf, tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 import checkpoints
 from checkpoints import CheckpointError
+from helpers import assert_same_logits, random_ids, save_hf, tiny_checkpoint
 from model import GPTConfig
 
 PARITY_CONFIGS = {

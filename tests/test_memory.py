@@ -13,8 +13,8 @@ import torch
 
 import checkpoints
 import generate.memory as memory
-from helpers import TINY_CONFIGS, make_model
 from generate.engine import Engine
+from helpers import TINY_CONFIGS, make_model
 from model import GPTConfig
 
 CPU = torch.device("cpu")
@@ -89,7 +89,7 @@ if sys.argv[1] == "cli":
     sys.exit(generate.cli.main(["hi", "-c", sys.argv[2], "--num-samples", "4000", "--batch-size", "4000",
                                 "-n", "3", "--no-stream"]))
 try:
-    generate.load(sys.argv[2]).generate(["hi"] * 4000, max_new_tokens=3, batch_size=4000)
+    generate.load(sys.argv[2], slots=4000).generate(["hi"] * 4000, max_new_tokens=3)
 except MemoryError as e:
     print(f"MemoryError: {e}", file=sys.stderr)
 """

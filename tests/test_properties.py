@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpoints import load_tokenizer
-from helpers import greedy_by_recomputation, make_model
 from generate import SamplingParams, generate_ids
+from helpers import greedy_by_recomputation, make_model
 from model import GPTConfig, KVCache
 
 FP32_TOL = 1e-5

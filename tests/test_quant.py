@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from helpers import TINY_CONFIGS, cached_logits, make_model
 from generate import SamplingParams, generate_ids
+from helpers import TINY_CONFIGS, cached_logits, make_model
 from model.quant import Int8Linear, Int8TiedEmbedding, quantize_int8, quantize_rows
 
 

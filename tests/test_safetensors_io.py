@@ -9,11 +9,11 @@ import struct
 
 import pytest
 import torch
-from helpers import tiny_checkpoint
 
 import checkpoints
 from checkpoints import CheckpointError
 from checkpoints.safetensors_io import file_shape, iter_tensors, model_key
+from helpers import tiny_checkpoint
 
 
 @pytest.fixture

@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 import transformers
-from helpers import assert_same_logits, random_ids, save_hf
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import checkpoints
 import checkpoints.safetensors_io
-from helpers import make_model
+from helpers import assert_same_logits, make_model, random_ids, save_hf
 from model import GPT, GPTConfig
 
 CONFIGS = {

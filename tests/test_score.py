@@ -13,16 +13,15 @@ import sys
 
 import pytest
 import torch
-from helpers import save_hf
 from hypothesis import given
 from hypothesis import strategies as st
 
 import checkpoints
 import generate
 from checkpoints.load import SHIPPED_DIR
-from helpers import make_model
 from generate.score import Window, plan_windows
 from generate.tools import score_main
+from helpers import make_model, save_hf
 from model import GPTConfig
 
 WINDOW = 64

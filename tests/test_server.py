@@ -22,8 +22,8 @@ import pytest
 
 import checkpoints
 import generate
-from helpers import make_model
 from generate.openai_api import render_chat
+from helpers import make_model
 from model import GPTConfig
 
 SLOTS = 4
