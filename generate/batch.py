@@ -107,7 +107,7 @@ def run_rows(
     if requests:
         window = gen.model.config.n_positions
         longest = min(window, max(len(r.prompt) + max(1, r.max_new_tokens) for r in requests.values()))
-        engine = gen.engine(slots if gen.deterministic else min(slots, len(requests)), longest)
+        engine = gen.engine(slots, longest)  # (one width for every part of a job: the same bits)
         fail_fast, engine.fail_fast = engine.fail_fast, False  # a row with NaN logits fails alone
         try:
             for r in requests.values():

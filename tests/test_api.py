@@ -74,7 +74,7 @@ def test_a_prompt_alone_and_in_a_list_gives_the_same_bits(dtype, tmp_path):
     # its tokens and logprobs are the same bits alone as in a list longer than the engine (run in turns).
     config = GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=WINDOW)
     checkpoints.save(make_model(config, seed=3, std=0.1), tmp_path)
-    gen = generate.load(tmp_path, dtype=dtype, slots=4)
+    gen = generate.load(tmp_path, dtype=dtype, slots=4, deterministic=True)
     options = dict(max_new_tokens=12, temperature=0.8, top_p=0.9, logprobs=True)
     together = gen.generate(PROMPTS, seed=list(range(len(PROMPTS))), **options)
     for i, prompt in enumerate(PROMPTS):
@@ -85,9 +85,11 @@ def test_a_prompt_alone_and_in_a_list_gives_the_same_bits(dtype, tmp_path):
 
 def test_without_determinism_a_lone_prompt_runs_in_one_row():
     model = make_model(CONFIG, seed=0, std=0.3)
-    fast = generate.Generator(model, deterministic=False)
+    fast = generate.Generator(model)
     assert (fast.width(1), fast.width(5), fast.width(100)) == (1, 5, 8)
-    sure = generate.Generator(model)
+    compiled = generate.Generator(model, compile=True)  # (two compiled steps at most: 1 row and 8)
+    assert (compiled.width(1), compiled.width(2), compiled.width(100)) == (1, 8, 8)
+    sure = generate.Generator(model, deterministic=True)
     assert (sure.width(1), sure.width(100)) == (8, 8)
     assert [o.token_ids for o in fast.generate(PROMPTS, max_new_tokens=5, temperature=0)] == [
         o.token_ids for o in sure.generate(PROMPTS, max_new_tokens=5, temperature=0)

@@ -5,7 +5,8 @@ beside it, whenever they join or leave and however long they are, in every dtype
 case runs requests together in one engine and each alone in another engine of the same width, and compares
 every logit row the engine sampled from with ``torch.equal``. A 256-position window makes the decode steps
 read one to four chunks of cache positions as long rows come and go, so the same request reads different
-spans alone and together.
+spans alone and together. (Compiled engines: test_prefix_consistency's whole-window test, alone and beside
+others.)
 """
 
 import pytest
@@ -62,12 +63,12 @@ def spans_read(engine: Engine) -> list[int]:
     return spans
 
 
-def assert_alone_equals_together(model, compile: bool = False) -> None:
+def assert_alone_equals_together(model) -> None:
     together = requests()
-    shared = Engine(model, slots=2, compile=compile)
+    shared = Engine(model, slots=2)
     spans_together = spans_read(shared)
     seen_together = run_and_record(shared, together)
-    alone_engine = Engine(model, slots=2, compile=compile)
+    alone_engine = Engine(model, slots=2)
     for r in together:
         single = fresh(r)
         spans_alone = spans_read(alone_engine)
@@ -82,11 +83,6 @@ def assert_alone_equals_together(model, compile: bool = False) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_request_alone_equals_it_beside_others_in_an_engine_of_the_same_width_bitwise(dtype):
     assert_alone_equals_together(model_in(dtype))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_a_request_alone_equals_it_beside_others_bitwise(dtype):
-    assert_alone_equals_together(model_in(dtype), compile=True)
 
 
 def test_a_freed_slot_leaks_nothing_into_the_next_request():

@@ -120,6 +120,8 @@ def whole_window_requests(seed: int) -> list[Request]:
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generations_that_fill_the_window_equal_the_full_forward_at_every_prefix(dtype, compile):
+    # Requests joining and leaving a 3-slot engine, two of them filling the window to its end; then each of
+    # three again alone in another engine of the same width (compiled: the same step, loaded), bit for bit.
     model = make_model(LONG_WINDOW, seed=7, std=0.1).to(dtype)
     requests = whole_window_requests(7)
     seen = run_and_record(Engine(model, slots=3, compile=compile), requests)
@@ -128,3 +130,9 @@ def test_generations_that_fill_the_window_equal_the_full_forward_at_every_prefix
     assert_engine_matches_full_forward(
         model, requests, seen, FP32_TOL if dtype == torch.float32 else BF16_TOL
     )
+    alone_engine = Engine(model, slots=3, compile=compile)
+    for r in requests[1:4]:
+        single = Request(r.prompt, GREEDY, max_new_tokens=r.max_new_tokens, eos_id=None)
+        alone = run_and_record(alone_engine, [single])[id(single)]
+        assert single.token_ids == r.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(alone, seen[id(r)], strict=True)), r.prompt
