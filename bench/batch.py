@@ -3,7 +3,7 @@
     python bench/batch.py                  # 512 prompts, 32 new tokens each, the shipped model
     python bench/batch.py --rows 2048 --workers 2 --cpus-per-worker 1
 
-Each run is what ``gptgen batch`` does (locally: ``generate.batch.run_file``; on Ray: ``run_ray`` with a
+Each run is what ``gptgen batch`` does (locally: ``generate.tools.batch.run_file``; on Ray: ``run_ray`` with a
 local cluster started for the job, its start-up included). Every row is seeded, so both outputs must be
 equal row for row; the run checks that. Prints rows/s and generated tokens/s.
 """
@@ -22,8 +22,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import generate  # noqa: E402
 from bench import cpu_description  # noqa: E402  (bench/bench.py, beside this script)
-from generate.batch import Defaults, run_file  # noqa: E402
-from generate.ray_batch import run_ray  # noqa: E402
+from generate.tools.batch import Defaults, run_file  # noqa: E402
+from generate.tools.ray_batch import run_ray  # noqa: E402
 
 
 def main() -> None:

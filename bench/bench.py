@@ -108,7 +108,7 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
     if kind in ("ours", "wide", "compiled"):
         import checkpoints
         from generate import Generator, SamplingParams
-        from generate.request import Request
+        from generate.engine.request import Request
 
         # int8-body / int4-body: quantized blocks, bf16 output head
         model = checkpoints.load(directory, dtype=dtype_name, group_size=group_size)

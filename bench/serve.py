@@ -112,7 +112,7 @@ def start_server(model: str, slots: int, dtype: str) -> tuple[subprocess.Popen, 
     command = [
         sys.executable,
         "-m",
-        "generate.gptgen",
+        "generate.tools.gptgen",
         "serve",
         "--port",
         "0",

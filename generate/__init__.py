@@ -1,7 +1,8 @@
 """generate: the runtime (sampling, the decode loop), the Python API and the ``generate`` command.
 
 The public names are imported on first use (PEP 562), so ``import generate`` and the command's startup do
-not pay for torch until something needs it: Ctrl-C in that window then exits cleanly (see ``generate.cli``).
+not pay for torch until something needs it: Ctrl-C in that window then exits cleanly (see
+``generate.tools.cli``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from generate.api import Completion, Generator, load
-    from generate.engine import GenerationError, TokenCompletion, generate_ids
-    from generate.sampling import SamplingParams
+    from generate.engine.engine import GenerationError, TokenCompletion, generate_ids
+    from generate.engine.sampling import SamplingParams
     from generate.score import Score
 
 __all__ = [
@@ -30,10 +31,10 @@ _HOMES = {
     "Completion": "generate.api",
     "Generator": "generate.api",
     "load": "generate.api",
-    "GenerationError": "generate.engine",
-    "TokenCompletion": "generate.engine",
-    "generate_ids": "generate.engine",
-    "SamplingParams": "generate.sampling",
+    "GenerationError": "generate.engine.engine",
+    "TokenCompletion": "generate.engine.engine",
+    "generate_ids": "generate.engine.engine",
+    "SamplingParams": "generate.engine.sampling",
     "Score": "generate.score",
 }
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from generate.cli import main
+from generate.tools.cli import main
 
 sys.exit(main())

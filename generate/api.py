@@ -11,10 +11,10 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine import Engine
-from generate.memory import said_plainly
-from generate.request import Request, check_prompts, check_seed
-from generate.sampling import SamplingParams
+from generate.engine.engine import Engine
+from generate.engine.memory import said_plainly
+from generate.engine.request import Request, check_prompts, check_seed
+from generate.engine.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
 from model import GPT, GPTConfig
@@ -51,8 +51,8 @@ class Generator:
     Args:
         model: the model (put in eval mode here).
         tokenizer: the GPT-2 tiktoken encoding (default: the vendored one).
-        compile: run decode steps compiled (:mod:`generate.compiled`): compiled once per checkpoint, dtype
-            and engine width, then every call of any length runs on it.
+        compile: run decode steps compiled (:mod:`generate.engine.compiled`): compiled once per
+            checkpoint, dtype and engine width, then every call of any length runs on it.
         slots: how many prompts run at once (the engine's width); a longer list runs ``slots`` at a time,
             each prompt taking a slot as soon as one is free.
         deterministic: run every call in an engine of exactly ``slots`` rows, so that a prompt gives the

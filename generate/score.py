@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from generate.engine import GenerationError
-from generate.memory import said_plainly
+from generate.engine.engine import GenerationError
+from generate.engine.memory import said_plainly
 from model import GPT
 
 # Rows of the output head computed at once: (rows x vocabulary) fp32 logits, 51 MiB for GPT-2's 50,257.

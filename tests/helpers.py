@@ -9,9 +9,9 @@ import torch
 import transformers
 
 import checkpoints
-from generate.engine import Engine
-from generate.request import Request
-from generate.sampling import SamplingParams
+from generate.engine.engine import Engine
+from generate.engine.request import Request
+from generate.engine.sampling import SamplingParams
 from model import GPT, GPTConfig, KVCache
 
 # Tolerances against the full forward (test_prefix_consistency's docstring says why these).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import generate
-from generate.tools import attention_main
+from generate.tools.commands import attention_main
 from helpers import save_hf
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind"

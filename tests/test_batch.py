@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import generate
-from generate.batch import CHUNK_ROWS, RESULT_FIELDS, Defaults, input_key, run_file
-from generate.tools import batch_main
+from generate.tools.batch import CHUNK_ROWS, RESULT_FIELDS, Defaults, input_key, run_file
+from generate.tools.commands import batch_main
 
 ROWS = [
     {"prompt": "To be, or not to be", "id": 1, "meta": {"source": "hamlet", "act": 3}},

@@ -12,9 +12,9 @@ others.)
 import pytest
 import torch
 
-from generate.engine import Engine
-from generate.request import Request
-from generate.sampling import SamplingParams
+from generate.engine.engine import Engine
+from generate.engine.request import Request
+from generate.engine.sampling import SamplingParams
 from helpers import make_model, run_and_record
 from model import GPTConfig
 from model.int4 import quantize_int4

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import generate
-from generate.batch import Defaults, run_file
+from generate.tools.batch import Defaults, run_file
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"Row {i} of the batch:", "id": i, "seed": 100 + i, "temperature": 0.9} for i in range(12)]
@@ -82,7 +82,7 @@ def gptgen_batch(*args) -> subprocess.CompletedProcess:
     """``gptgen batch ARGS`` in its own process (no terminal, so no progress bar)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "generate.gptgen", "batch", *map(str, args)]
+    command = [sys.executable, "-m", "generate.tools.gptgen", "batch", *map(str, args)]
     options = {"stdin": subprocess.DEVNULL, "capture_output": True, "text": True, "timeout": 600}
     return subprocess.run(command, cwd=ROOT, env=env, **options)
 
@@ -156,7 +156,7 @@ def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from generate.ray_batch import _rows_in, _watching
+    from generate.tools.ray_batch import _rows_in, _watching
 
     (tmp_path / "old.json").write_text('{"id": 0}\n' * 5)  # a part file of an earlier run
     seen = []
@@ -175,7 +175,7 @@ def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
 def test_only_the_yielded_stream_reaches_the_console_while_ray_runs(capfd):
     import os
 
-    from generate.ray_batch import console_to_null
+    from generate.tools.ray_batch import console_to_null
 
     print("before", file=sys.stderr)
     with console_to_null() as stderr:
@@ -196,7 +196,7 @@ def test_a_closed_standard_stream_stays_closed_and_takes_nothing(closed):
     code = (
         "import os, sys\n"
         f"os.close({closed})\n"
-        "from generate.ray_batch import console_to_null\n"
+        "from generate.tools.ray_batch import console_to_null\n"
         "with console_to_null() as err:\n"
         "    os.write(1, b'C++ on stdout')\n"
         "    os.write(2, b'C++ on stderr')\n"

@@ -1,4 +1,4 @@
-"""The ``generate`` command: in process through ``generate.cli.main`` and as ``python -m generate``."""
+"""The ``generate`` command: in process through ``generate.tools.cli.main`` and as ``python -m generate``."""
 
 import io
 import json
@@ -11,7 +11,7 @@ import pytest
 
 import checkpoints
 import generate
-from generate.cli import build_parser, main
+from generate.tools.cli import build_parser, main
 from helpers import make_model
 from model import GPTConfig
 
@@ -315,7 +315,7 @@ def test_help_mentions_every_sampling_option(capsys):
 
 def test_the_command_module_imports_no_torch_until_it_runs():
     # --help and Ctrl-C during startup must not wait for torch: cli imports it inside main().
-    code = "import sys, generate, generate.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, generate, generate.tools.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -345,7 +345,7 @@ def test_a_byte_order_mark_is_not_part_of_the_prompt(ckpt, capsys, monkeypatch, 
 
 
 def test_endless_input_ends_in_one_error_line(ckpt, capsys, monkeypatch):
-    import generate.cli as cli
+    import generate.tools.cli as cli
 
     monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 2**20)  # the real bound is 64 MiB: the same path, sooner
     assert main(["--prompts-file", "/dev/zero", "-c", ckpt]) == 1

@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-import generate.compiled as compiled
-from generate.engine import Engine
+import generate.engine.compiled as compiled
+from generate.engine.engine import Engine
 from helpers import (
     FP32_TOL,
     TINY_CONFIGS,
@@ -114,9 +114,9 @@ def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatc
 
 
 def test_a_compile_that_would_run_out_of_memory_is_refused_naming_the_figures(monkeypatch):
-    import generate.memory
+    import generate.engine.memory
 
-    monkeypatch.setattr(generate.memory, "available_memory", lambda device: 100 * 2**20)
+    monkeypatch.setattr(generate.engine.memory, "available_memory", lambda device: 100 * 2**20)
     expected = (
         r"compiling the decode step needs about 0\.5 GiB .* only 0\.1 GiB are available; generate without "
         r"compiling \(compile=False, no --compile\)"

@@ -82,9 +82,9 @@ def test_seeded_sampling_row_alone_equals_row_in_batch():
 def test_greedy_rows_with_and_without_penalties_in_one_engine_each_choose_their_own_way():
     # Plain greedy rows take an argmax made for all rows at once; a penalized greedy row beside them
     # applies its penalties first. Checked against recomputation, the penalty applied by hand.
-    from generate.engine import Engine
-    from generate.request import Request
-    from generate.sampling import apply_penalties
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
+    from generate.engine.sampling import apply_penalties
 
     config = TINY_CONFIGS["2x2x32"]
     model = make_model(config, seed=4, std=0.3)
@@ -151,8 +151,8 @@ def test_infinite_logits_are_reported_not_sampled():
 
 def test_huge_finite_logits_whose_sum_overflows_are_sampled_not_refused():
     # The finiteness check sums a row first: 3e38 + 3e38 is inf in fp32, yet every logit is finite.
-    from generate.engine import Engine
-    from generate.request import Request
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
 
     config = TINY_CONFIGS["2x2x32"]
     engine = Engine(make_model(config, seed=1), slots=1)
@@ -195,8 +195,8 @@ def model_with_nan_at_position(position):
 
 
 def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_go_on():
-    from generate.engine import Engine
-    from generate.request import Request
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
 
     model = model_with_nan_at_position(10)
     seeded = SamplingParams(temperature=1.0, top_k=30)
@@ -227,8 +227,8 @@ def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_g
 
 
 def test_fail_fast_is_the_default_and_raises():
-    from generate.engine import Engine
-    from generate.request import Request
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
 
     model = model_with_nan_at_position(10)
     engine = Engine(model, slots=2)

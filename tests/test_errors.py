@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import checkpoints
-import generate.engine
-from generate.cli import main
+import generate.engine.engine
+from generate.tools.cli import main
 from helpers import make_model
 from model import GPTConfig
 
@@ -248,7 +248,7 @@ def test_runtime_nan_and_fp16_overflow_are_reported(ckpt, tmp_path, capsys, monk
 
 
 def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
-    monkeypatch.setattr(generate.engine, "available_memory", lambda device: 10_000)
+    monkeypatch.setattr(generate.engine.engine, "available_memory", lambda device: 10_000)
     code, out, err = run(["hi", "-c", ckpt], capsys, monkeypatch)
     assert code == 1 and out == ""
     assert_one_line_error(err, r"needs about [\d,]+ MiB .*only 0 MiB are available on cpu; use fewer slots")
@@ -300,8 +300,8 @@ sys.exit(main({argv!r}))
 
 @pytest.mark.parametrize(
     ("module", "argv", "status"),
-    [("generate.cli", ["Once", "-c", "{ckpt}", "-n", "5", "-t", "0"], 130),
-     ("generate.serve", ["-c", "{ckpt}", "--port", "0"], 0)],  # a server's normal stop; nothing started
+    [("generate.tools.cli", ["Once", "-c", "{ckpt}", "-n", "5", "-t", "0"], 130),
+     ("generate.tools.serve", ["-c", "{ckpt}", "--port", "0"], 0)],  # a server's normal stop; nothing started
     ids=["generate", "serve"],
 )  # fmt: skip
 def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status, ctrl_c_works):
@@ -319,7 +319,7 @@ def test_ctrl_c_while_torch_imports_is_not_lost(ckpt, module, argv, status, ctrl
 def test_import_holding_signals_hands_the_signal_over_once_the_import_ends(
     tmp_path, monkeypatch, ctrl_c_works
 ):
-    from generate.cli import import_holding_signals
+    from generate.tools.cli import import_holding_signals
 
     (tmp_path / "swallows_interrupts.py").write_text(
         "import os, signal\n"

@@ -1,4 +1,5 @@
-"""The ``gptgen`` command: its subcommands, in process through ``generate.gptgen.main`` and as a module."""
+"""The ``gptgen`` command: its subcommands, in process through ``generate.tools.gptgen.main`` and as a
+module."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from generate import cli, gptgen
+from generate.tools import cli, gptgen
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY_ARGS = ["To be", "-n", "3", "--seed", "1", "-t", "0"]
@@ -17,7 +18,7 @@ def run_gptgen(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(
-        [sys.executable, "-m", "generate.gptgen", *args],
+        [sys.executable, "-m", "generate.tools.gptgen", *args],
         cwd=ROOT,
         env=env,
         input=b"",
@@ -73,8 +74,8 @@ def test_the_module_runs_as_a_command_with_its_exit_codes():
 def test_help_imports_no_torch():
     # The docstring promises an instant --help: no subcommand module (and so no torch) is imported.
     code = (
-        "import sys; from generate import gptgen; assert gptgen.main(['--help']) == 0; "
-        "assert 'torch' not in sys.modules and 'generate.cli' not in sys.modules, 'imported too much'"
+        "import sys; from generate.tools import gptgen; assert gptgen.main(['--help']) == 0; "
+        "assert 'torch' not in sys.modules and 'generate.tools.cli' not in sys.modules, 'imported too much'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
 

@@ -98,7 +98,7 @@ def test_int4_cached_decoding_tracks_its_own_full_forward():
 
 @pytest.mark.parametrize("mode", ["int4", "int4-body"])
 def test_an_int4_engine_with_rows_joining_mid_run_tracks_the_full_forward_at_every_prefix(mode):
-    from generate.engine import Engine
+    from generate.engine.engine import Engine
     from helpers import BF16_TOL, assert_engine_matches_full_forward, mixed_requests, run_and_record
 
     model = quantize_int4(make_model(INT4_CONFIG, seed=4, std=0.1), 32, include_head=mode == "int4")

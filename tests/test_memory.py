@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import checkpoints
-import generate.memory as memory
-from generate.engine import Engine
+import generate.engine.memory as memory
+from generate.engine.engine import Engine
 from helpers import TINY_CONFIGS, make_model
 from model import GPTConfig
 
@@ -80,14 +80,14 @@ def test_other_errors_are_not_taken_for_the_allocators(error):
 # and turns off the up-front check, so the allocator itself fails mid-generation.
 _OUT_OF_MEMORY = """
 import resource, sys
-import generate, generate.cli, generate.engine
-generate.engine.available_memory = lambda device: None
+import generate, generate.tools.cli, generate.engine.engine
+generate.engine.engine.available_memory = lambda device: None
 with open("/proc/self/status") as f:
     size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20, resource.RLIM_INFINITY))
 if sys.argv[1] == "cli":
-    sys.exit(generate.cli.main(["hi", "-c", sys.argv[2], "--num-samples", "4000", "--batch-size", "4000",
-                                "-n", "3", "--no-stream"]))
+    sys.exit(generate.tools.cli.main(["hi", "-c", sys.argv[2], "--num-samples", "4000", "--batch-size",
+                                      "4000", "-n", "3", "--no-stream"]))
 try:
     generate.load(sys.argv[2], slots=4000).generate(["hi"] * 4000, max_new_tokens=3)
 except MemoryError as e:
@@ -114,6 +114,6 @@ def test_running_out_of_memory_mid_generation_is_said_plainly(tmp_path, how, sai
 
 
 def test_a_bare_memory_error_still_says_out_of_memory():
-    from generate.cli import error_message
+    from generate.tools.cli import error_message
 
     assert error_message(MemoryError()) == "out of memory"

@@ -6,7 +6,9 @@ import re
 import pytest
 
 import checkpoints
-from generate.openai_api import (
+from generate.engine.request import Request
+from generate.engine.sampling import SamplingParams
+from generate.serving.openai_api import (
     CHAT_STOPS,
     APIError,
     TokenText,
@@ -17,8 +19,6 @@ from generate.openai_api import (
     render_chat,
     usage,
 )
-from generate.request import Request
-from generate.sampling import SamplingParams
 
 TOK = checkpoints.load_tokenizer()
 VOCAB, WINDOW, EOS = 50257, 64, 50256

@@ -14,8 +14,8 @@ that and stays far below what a wrong mask, position or slot causes (errors the 
 import pytest
 import torch
 
-from generate.engine import Engine
-from generate.request import Request
+from generate.engine.engine import Engine
+from generate.engine.request import Request
 from helpers import (
     BF16_TOL,
     FP32_TOL,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from generate.sampling import SamplingParams, apply_penalties, choose, filter_logits, sample_row
+from generate.engine.sampling import SamplingParams, apply_penalties, choose, filter_logits, sample_row
 
 V = 20
 

@@ -20,7 +20,7 @@ import checkpoints
 import generate
 from checkpoints.load import SHIPPED_DIR
 from generate.score import Window, plan_windows
-from generate.tools import score_main
+from generate.tools.commands import score_main
 from helpers import make_model, save_hf
 from model import GPTConfig
 

@@ -22,7 +22,7 @@ import pytest
 
 import checkpoints
 import generate
-from generate.openai_api import render_chat
+from generate.serving.openai_api import render_chat
 from helpers import make_model
 from model import GPTConfig
 
@@ -33,7 +33,7 @@ class Server:
     """A `gptgen serve` subprocess; its stderr lines are collected in a thread."""
 
     def __init__(self, *args: str) -> None:
-        command = [sys.executable, "-m", "generate.gptgen", "serve", "--port", "0", *args]
+        command = [sys.executable, "-m", "generate.tools.gptgen", "serve", "--port", "0", *args]
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         first = self.proc.stderr.readline()
@@ -412,7 +412,7 @@ def test_running_out_of_memory_fails_the_requests_plainly_and_the_server_goes_on
     requests then running get a 500 saying "out of memory" (not the allocator's words), later ones work."""
     from starlette.testclient import TestClient
 
-    from generate.server import Settings, build_app
+    from generate.serving.server import Settings, build_app
 
     app = build_app(Settings("shakespeare"))
     engine = offline.engine(2, 64)

@@ -61,7 +61,7 @@ def test_scoring_the_held_out_text_gives_the_figure_on_the_card():
     own with both cores (about 40 s on 2 cores: the suite's longest test, kept because the card's figure is
     what users compare with)."""
     facts = json.loads((DIRECTORY / "training.json").read_text())["held_out_text_score"]
-    command = [sys.executable, "-m", "generate.gptgen", "score", facts["file"], "--json"]
+    command = [sys.executable, "-m", "generate.tools.gptgen", "score", facts["file"], "--json"]
     proc = subprocess.run(command, capture_output=True, text=True, cwd=DIRECTORY, timeout=600)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     score = json.loads(proc.stdout)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoints
-from generate.text import TextTracker
+from generate.engine.text import TextTracker
 
 ENC = checkpoints.load_tokenizer()
 TOKEN_BYTES = ENC.decode_single_token_bytes

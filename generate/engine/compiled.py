@@ -12,7 +12,7 @@ a compile the least recently used libraries go until the folder holds at most ``
 
 On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph) over the whole window, compiled in
 each process. Which kernels run never depends on a timing taken here: autotuning picks among kernels at
-compile time, and a row's bits are fixed by the step's shapes (:mod:`generate.runner`).
+compile time, and a row's bits are fixed by the step's shapes (:mod:`generate.engine.runner`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def check_compile_memory(model: GPT) -> None:
     Raises:
         MemoryError: naming what the compile needs, what is available and what to do instead.
     """
-    from generate.memory import available_memory
+    from generate.engine.memory import available_memory
 
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     needed = COMPILE_FIXED_BYTES + COMPILE_BYTES_PER_WEIGHT_BYTE * weights

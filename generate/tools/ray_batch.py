@@ -20,7 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from generate.batch import Defaults, check_columns, file_format, input_key, run_rows, with_results
+from generate.tools.batch import Defaults, check_columns, file_format, input_key, run_rows, with_results
 
 
 def require_ray() -> Any:

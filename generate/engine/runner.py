@@ -23,7 +23,7 @@ class Runner:
     Args:
         model: the model (eval mode).
         cache: the engine's KV cache.
-        compile: run the decode step compiled (:func:`generate.compiled.compile_step`).
+        compile: run the decode step compiled (:func:`generate.engine.compiled.compile_step`).
         progress: with ``compile``, called with a line of text as the compile goes on.
     """
 
@@ -38,7 +38,7 @@ class Runner:
         self.model, self.cache = model, cache
         self._step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         if compile:
-            from generate.compiled import compile_step
+            from generate.engine.compiled import compile_step
 
             self._step = compile_step(model, cache, progress)
 

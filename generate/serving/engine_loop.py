@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from generate.engine import Engine
-from generate.request import Request
+from generate.engine.engine import Engine
+from generate.engine.request import Request
 
 log = logging.getLogger("gptgen.server")
 

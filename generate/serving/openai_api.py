@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from generate.request import Request, check_prompt
-from generate.sampling import SamplingParams
+from generate.engine.request import Request, check_prompt
+from generate.engine.sampling import SamplingParams
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request

@@ -3,7 +3,7 @@
 Each step admits waiting requests into free slots (each prompt prefilled alone into its slot), then runs one
 decode step over every slot: each row feeds its last token at its own position. A finished request frees its
 slot at once. The decode step has one row per slot, whichever slots are busy, and reads the cache in whole
-chunks (:mod:`generate.runner`), so a row's bits do not depend on the other rows: a request's tokens,
+chunks (:mod:`generate.engine.runner`), so a row's bits do not depend on the other rows: a request's tokens,
 logprobs and logits are the same whoever shares the engine, when they join or leave and how long they are.
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate.memory import available_memory, out_of_memory, said_plainly
-from generate.request import Request, check_max_new_tokens, check_prompt, check_prompts
-from generate.runner import Runner
-from generate.sampling import SamplingParams, sample_row
+from generate.engine.memory import available_memory, out_of_memory, said_plainly
+from generate.engine.request import Request, check_max_new_tokens, check_prompt, check_prompts
+from generate.engine.runner import Runner
+from generate.engine.sampling import SamplingParams, sample_row
 from model import GPT, GPTConfig, KVCache
 
 
@@ -66,10 +66,10 @@ class Engine:
         slots: how many requests run at once (rows of every decode step).
         max_len: cache positions per slot (default the model's window); a request whose prompt plus output
             reaches it finishes with ``"length"``. It changes no bits: a step reads the whole chunks that
-            hold its rows (:class:`generate.runner.Runner`). A compiled engine holds the whole window.
+            hold its rows (:class:`generate.engine.runner.Runner`). A compiled engine holds the whole window.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
-        compile: run the decode step compiled (see :class:`generate.runner.Runner`).
+        compile: run the decode step compiled (see :class:`generate.engine.runner.Runner`).
         progress: with ``compile``, called with a line of text as the compile goes on.
 
     Attributes:

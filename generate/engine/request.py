@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from generate.sampling import SamplingParams
-from generate.text import TextTracker
+from generate.engine.sampling import SamplingParams
+from generate.engine.text import TextTracker
 
 
 def check_seed(seed: object) -> int | None:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (Starlette): routes, request bodies, streaming, errors, metrics.
 
 The model loads in the background after the server starts listening, so ``/health`` answers 503 while it
-loads or compiles; everything else waits for it. One :class:`generate.engine_loop.EngineLoop` runs every
-request; this module only turns HTTP into engine requests and engine updates into OpenAI's objects.
+loads or compiles; everything else waits for it. One :class:`generate.serving.engine_loop.EngineLoop` runs
+every request; this module only turns HTTP into engine requests and engine updates into OpenAI's objects.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from generate import openai_api as oa
-from generate.answer import Answer, prompt_logprobs, sse
 from generate.api import Generator
-from generate.engine import Engine
-from generate.engine_loop import EngineLoop, QueueFull, Update
+from generate.engine.engine import Engine
+from generate.serving import openai_api as oa
+from generate.serving.answer import Answer, prompt_logprobs, sse
+from generate.serving.engine_loop import EngineLoop, QueueFull, Update
 
 log = logging.getLogger("gptgen.server")
 MAX_BODY = 4 * 2**20  # bytes of request body; a full window of token ids is far smaller
@@ -35,7 +35,7 @@ MAX_BODY = 4 * 2**20  # bytes of request body; a full window of token ids is far
 
 @dataclass
 class Settings:
-    """What ``gptgen serve`` was started with (see :mod:`generate.serve`)."""
+    """What ``gptgen serve`` was started with (see :mod:`generate.tools.serve`)."""
 
     model_name: str
     max_queue: int = 256
@@ -154,7 +154,7 @@ class _ClientGone(Exception):
 
 
 def build_app(settings: Settings) -> Starlette:
-    """The Starlette application; :func:`generate.serve.main` runs it under uvicorn."""
+    """The Starlette application; :func:`generate.tools.serve.main` runs it under uvicorn."""
     state = State(settings)
 
     def logged(endpoint: str, fn: Callable) -> Callable:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {  # name: (module, function, what it does)
-    "generate": ("generate.cli", "main", "continue a prompt (the generate command)"),
-    "serve": ("generate.serve", "main", "serve a model over OpenAI's HTTP API"),
-    "score": ("generate.tools", "score_main", "score a text: mean NLL and perplexity"),
-    "attention": ("generate.tools", "attention_main", "draw a model's causal attention over a text"),
-    "batch": ("generate.tools", "batch_main", "generate for a file of prompts, locally or on Ray"),
+    "generate": ("generate.tools.cli", "main", "continue a prompt (the generate command)"),
+    "serve": ("generate.tools.serve", "main", "serve a model over OpenAI's HTTP API"),
+    "score": ("generate.tools.commands", "score_main", "score a text: mean NLL and perplexity"),
+    "attention": ("generate.tools.commands", "attention_main", "draw a model's causal attention over a text"),
+    "batch": ("generate.tools.commands", "batch_main", "generate for a file of prompts, locally or on Ray"),
 }
 USAGE = (
     "usage: gptgen COMMAND [options]   (gptgen COMMAND --help for a command's options)\n\ncommands:\n"

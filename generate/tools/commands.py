@@ -3,7 +3,7 @@ causal attention.
 
 Like ``generate``, only the standard library is imported at module level; torch, the model and matplotlib
 are imported once the options are read (with Ctrl-C held during torch's import, see
-:func:`generate.cli.import_holding_signals`).
+:func:`generate.tools.cli.import_holding_signals`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from generate.cli import (
+from generate.tools.cli import (
     CommandParser,
     add_checkpoint_option,
     add_model_options,
@@ -214,7 +214,7 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if text == "-":
         missing = "no text: give it as an argument, or pipe the text to standard input"
         text = stdin_text(parser, missing).removesuffix("\n")
-    from generate.plot import require_matplotlib
+    from generate.tools.plot import require_matplotlib
 
     require_matplotlib()  # before any model is loaded
     import_holding_signals("generate.api")
@@ -251,7 +251,7 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         else:
             weights, titles = maps, [f"head {h}" for h in range(n_head)]
         suptitle = None if args.head is not None or args.mean else f"layer {layer}: attention weights"
-    from generate.plot import attention_figure
+    from generate.tools.plot import attention_figure
 
     pieces = [tokenizer.decode([i]) for i in ids]
     figure = attention_figure(weights, pieces, titles=titles, suptitle=suptitle, size=size, mask=args.mask)
@@ -327,11 +327,11 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.ray is None and (args.workers != 2 or args.cpus_per_worker != 1):
         parser.error("--workers and --cpus-per-worker apply with --ray only")
-    import_holding_signals("generate.batch")
-    from generate.batch import Defaults
-    from generate.cli import unescape
-    from generate.request import check_max_new_tokens, check_seed
-    from generate.sampling import SamplingParams
+    import_holding_signals("generate.tools.batch")
+    from generate.engine.request import check_max_new_tokens, check_seed
+    from generate.engine.sampling import SamplingParams
+    from generate.tools.batch import Defaults
+    from generate.tools.cli import unescape
 
     defaults = Defaults(
         max_new_tokens=check_max_new_tokens(args.max_new_tokens),
@@ -343,7 +343,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     SamplingParams(temperature=args.temperature, top_p=args.top_p)  # refused here, not in every row
     start = time.perf_counter()
     if args.ray is not None:
-        from generate.ray_batch import console_to_null, run_ray
+        from generate.tools.ray_batch import console_to_null, run_ray
 
         load_options = {
             "source": args.checkpoint,
@@ -368,7 +368,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             )
         where = "on Ray"
     else:
-        from generate.batch import run_file
+        from generate.tools.batch import run_file
 
         gen = load_generator(args, slots=args.batch_size)
         show = None if args.no_progress else _progress(start, "generating", "rows")

@@ -301,8 +301,8 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error("--logprobs only shows in JSON output; add --json")
     # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
     from checkpoints import QUANT_MODES, resolve_device, resolve_dtype
-    from generate.request import check_seed
-    from generate.sampling import SamplingParams
+    from generate.engine.request import check_seed
+    from generate.engine.sampling import SamplingParams
 
     check_model_options(args, parser)
     try:
@@ -327,7 +327,7 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def _check_prompts(gen: Generator, prompts: list[tuple[int | None, str]], prompts_file: str | None) -> None:
     """Check every prompt against the model before the first batch runs; name a bad one by its file line."""
-    from generate.request import check_prompt
+    from generate.engine.request import check_prompt
 
     config = gen.model.config
     for line, prompt in prompts:
@@ -449,7 +449,7 @@ def error_message(error: BaseException, memory_advice: str = GENERATE_MEMORY_ADV
 
     allocator = error.__cause__ if isinstance(error, MemoryError) else error
     if isinstance(allocator, RuntimeError):
-        from generate.memory import out_of_memory
+        from generate.engine.memory import out_of_memory
 
         error = out_of_memory(allocator, memory_advice) or error
     text = str(error) or ("out of memory" if isinstance(error, MemoryError) else type(error).__name__)

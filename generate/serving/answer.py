@@ -7,10 +7,10 @@ import time
 import uuid
 from typing import Any
 
-from generate import openai_api as oa
 from generate.api import Generator
-from generate.engine_loop import Update
-from generate.request import Request
+from generate.engine.request import Request
+from generate.serving import openai_api as oa
+from generate.serving.engine_loop import Update
 
 
 class Answer:

@@ -1,8 +1,8 @@
-"""``gptgen serve``: an OpenAI-compatible server for a checkpoint (see :mod:`generate.server`).
+"""``gptgen serve``: an OpenAI-compatible server for a checkpoint (see :mod:`generate.serving.server`).
 
 It binds its socket first and says where it listens, then loads (and with ``--compile`` compiles) the model;
 ``GET /health`` answers 503 until that is done. The model loads and runs in the main thread, HTTP is served
-from another (see :mod:`generate.engine_loop`). SIGINT or SIGTERM stop it cleanly: no new connections,
+from another (see :mod:`generate.serving.engine_loop`). SIGINT or SIGTERM stop it cleanly: no new connections,
 running requests get ``--shutdown-timeout`` seconds to finish, then the rest are cancelled; the exit status
 is 0. Only the standard library is imported before the arguments are checked.
 """
@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any
 
-from generate.cli import (
+from generate.tools.cli import (
     CommandParser,
     add_checkpoint_option,
     add_model_options,
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        import_holding_signals("generate.server")  # torch and the rest, before the stop handlers are in place
+        # torch and the rest, before the stop handlers are in place
+        import_holding_signals("generate.serving.server")
     except KeyboardInterrupt:
         return 0  # stopped before it listened
     except ImportError as e:
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: Any) -> int:
-    """HTTP in a thread, the model in this one (see :mod:`generate.engine_loop` for why)."""
-    from generate.server import Settings, build_app
+    """HTTP in a thread, the model in this one (see :mod:`generate.serving.engine_loop` for why)."""
+    from generate.serving.server import Settings, build_app
 
     app = build_app(Settings(name, max_queue=args.max_queue, api_key=args.api_key))
     state = app.state.gptgen

@@ -7,7 +7,7 @@ with a ``prompt`` column and optional per-row ``seed``, ``max_new_tokens``, ``te
 
 Locally the rows run on the engine, a chunk at a time, each row in its own slot with its own settings; by
 the engine's batch invariance a row's result does not depend on the rows beside it, so a seeded (or greedy)
-row gives the same text alone, locally, or on any Ray worker (:mod:`generate.ray_batch`).
+row gives the same text alone, locally, or on any Ray worker (:mod:`generate.tools.ray_batch`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 
 import checkpoints
 from generate.api import Generator
-from generate.request import Request, check_prompt
-from generate.sampling import SamplingParams
+from generate.engine.request import Request, check_prompt
+from generate.engine.sampling import SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
