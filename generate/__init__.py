@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from generate.api import Completion, Generator, load
-    from generate.engine.engine import GenerationError, TokenCompletion, generate_ids
+    from generate.engine.engine import GenerationError
     from generate.engine.sampling import SamplingParams
+    from generate.ids import TokenCompletion, generate_ids
     from generate.score import Score
 
 __all__ = [
@@ -32,8 +33,8 @@ _HOMES = {
     "Generator": "generate.api",
     "load": "generate.api",
     "GenerationError": "generate.engine.engine",
-    "TokenCompletion": "generate.engine.engine",
-    "generate_ids": "generate.engine.engine",
+    "TokenCompletion": "generate.ids",
+    "generate_ids": "generate.ids",
     "SamplingParams": "generate.engine.sampling",
     "Score": "generate.score",
 }

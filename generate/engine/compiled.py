@@ -11,8 +11,9 @@ a compile the least recently used libraries go until the folder holds at most ``
 (default 8) GiB. Inductor's own caches (autotuning, kernels) live under ``inductor/`` beside them.
 
 On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph) over the whole window, compiled in
-each process. Which kernels run never depends on a timing taken here: autotuning picks among kernels at
-compile time, and a row's bits are fixed by the step's shapes (:mod:`generate.engine.runner`).
+each process. Autotuning picks the GEMM kernels once, when the step is compiled; the library then runs
+those kernels in every step and every process that loads it, and a row's bits are fixed by the step's shapes
+(:mod:`generate.engine.runner`).
 """
 
 from __future__ import annotations
@@ -61,11 +62,7 @@ DEFAULT_CACHE_MAX_GB = 8.0
 
 
 def check_compile_memory(model: GPT) -> None:
-    """Refuse to compile where the compile would run out of memory.
-
-    Raises:
-        MemoryError: naming what the compile needs, what is available and what to do instead.
-    """
+    """Refuse to compile (MemoryError naming the figures and what to do) where it would run out of memory."""
     from generate.engine.memory import available_memory
 
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -89,11 +86,8 @@ def cache_dir() -> Path:
 
 
 def cache_limit_bytes() -> int:
-    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8).
-
-    Raises:
-        ValueError: if the variable is set to something other than a number of GiB, 0 or more.
-    """
+    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8); ValueError for a
+    setting that is not a number of GiB, 0 or more."""
     text = os.environ.get("GPTGEN_CACHE_MAX_GB", "").strip()
     try:
         gib = float(text) if text else DEFAULT_CACHE_MAX_GB
@@ -168,7 +162,7 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
 
 
 def _chunks(count: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(count, 0, device=device)
+    return torch.empty(count, 0, device=device)  # the step's chunk count: a size, no elements
 
 
 def _package(model: GPT, cache: KVCache, path: Path, progress: Progress) -> None:
@@ -185,7 +179,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress) -> None
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        most = cache.max_len // CHUNK
+        most = cache.k[0].shape[2] // CHUNK  # (the cache holds whole chunks)
         tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
         inputs = (tokens, torch.zeros_like(tokens), _chunks(min(2, most), model.device), *cache.k, *cache.v)
         chunks = {0: torch.export.Dim("chunks", min=1, max=most)} if most > 1 else None
@@ -295,7 +289,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
     run_step = step
-    sizes = {n: _chunks(n, model.device) for n in range(1, cache.max_len // CHUNK + 1)}
+    sizes = {n: _chunks(n, model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
 
     def run(tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         return run_step(tokens, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)

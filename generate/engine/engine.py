@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 import torch
 
 from generate.engine.memory import available_memory, out_of_memory, said_plainly
-from generate.engine.request import Request, check_max_new_tokens, check_prompt, check_prompts
+from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
-from generate.engine.sampling import SamplingParams, sample_row
+from generate.engine.sampling import sample_row
 from model import GPT, GPTConfig, KVCache
 
 
@@ -253,64 +252,3 @@ class Engine:
         self._generators.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0
-
-
-@dataclass
-class TokenCompletion:
-    """What one prompt generated: token ids (EOS included if it came), why it stopped, log-probabilities."""
-
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS) or "length" (budget or window)
-    logprobs: list[float] | None = None
-
-
-def generate_ids(
-    model: GPT,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int = 64,
-    sampling: SamplingParams | None = None,
-    seed: int | Sequence[int | None] | None = None,
-    eos_id: int | None = 50256,
-    logprobs: bool = False,
-    slots: int | None = None,
-    compile: bool = False,
-) -> list[TokenCompletion]:
-    """Generate from token id prompts; the token-level API.
-
-    Args:
-        model: the model (eval mode).
-        prompts: non-empty token id lists of any lengths.
-        max_new_tokens: the most tokens per prompt.
-        sampling: how tokens are chosen (default: ``SamplingParams()``, temperature 1).
-        seed: one seed for every prompt (each draws from its own generator seeded with it, so its output does
-            not depend on the others), a sequence of per-prompt seeds, or None.
-        eos_id: the end-of-text id that ends a prompt's output (None: never).
-        logprobs: also return each chosen token's log-probability.
-        slots: how many prompts run at once (default all of them).
-        compile: run the decode step compiled.
-
-    Returns:
-        One :class:`TokenCompletion` per prompt, in order.
-
-    Example:
-        >>> generate_ids(model, [[464, 3290]], max_new_tokens=5, sampling=SamplingParams(temperature=0))
-        ... # doctest: +SKIP
-    """
-    check_max_new_tokens(max_new_tokens)
-    check_prompts(prompts, model.config.vocab_size, model.config.n_positions)
-    seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
-    requests = [Request(p, sampling or SamplingParams(), max_new_tokens, seed=s, eos_id=eos_id,
-                        logprobs=logprobs) for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
-    longest = max(len(p) for p in prompts) + max(1, int(max_new_tokens))
-    max_len = min(model.config.n_positions, longest)
-    engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
-    for r in requests:
-        engine.add(r)
-    for _ in engine.run():
-        pass
-    return [
-        TokenCompletion(r.token_ids, r.finish_reason, r.logprobs_list if logprobs else None) for r in requests
-    ]
