@@ -58,9 +58,9 @@ class Generator:
         deterministic: run every call in an engine of exactly ``slots`` rows, so that a prompt gives the
             same tokens and log-probabilities, bit for bit, alone or in a list of any length (a lone prompt
             then computes ``slots`` rows: 1.4-2.8x the time a token at batch 1). False (default): an engine
-            only as wide as the call needs, a lone prompt in one row (compiled: one row, or ``slots`` for a
-            list, two compiled steps at most); its logits may then differ in the last bits from the same
-            prompt's in a list, and a near-tie can pick another token.
+            only as wide as the call needs, a lone prompt in one row (compiled: one row, or ``slots`` for
+            more prompts, two compiled steps at most); its logits may then differ in the last bits from the
+            same prompt's in a list, and a near-tie can pick another token.
         progress: called with a line of text while a decode step compiles.
     """
 
@@ -84,7 +84,7 @@ class Generator:
 
     def width(self, count: int) -> int:
         """The engine width a call of ``count`` prompts runs in: :attr:`slots` when deterministic; else as
-        many as it needs, or compiled, 1 for a lone prompt and :attr:`slots` for a list."""
+        many as it needs, or compiled, 1 for one prompt and :attr:`slots` for more."""
         if self.deterministic:
             return self.slots
         if self.compile:
@@ -180,11 +180,10 @@ class Generator:
         many positions it holds changes no bits; its width does: see :attr:`slots`). One engine is kept at a
         time; a compiled engine holds the whole window, so one compile serves every call.
         """
-        kept = self._engine
-        if kept is None or kept.slots != slots or kept.cache.max_len < max_len:
-            self._engine = None  # (its KV cache freed before the next is made)
-            window = self.model.config.n_positions
-            self._engine = Engine(self.model, slots=slots, max_len=min(max(max_len, 2), window),
+        max_len = min(max(max_len, 2), self.model.config.n_positions)
+        if self._engine is None or self._engine.slots != slots or self._engine.cache.max_len < max_len:
+            self._engine = None  # (its KV cache, and a compiled step, freed before the next is made)
+            self._engine = Engine(self.model, slots=slots, max_len=max_len,
                                   compile=self.compile, progress=self.progress,
                                   token_bytes=self.tokenizer.decode_single_token_bytes,
                                   vocab_limit=self.tokenizer.n_vocab)  # fmt: skip

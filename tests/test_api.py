@@ -70,7 +70,7 @@ PROMPTS = ["Hello world", "A", "The quick brown fox jumps over", "x y", "To be, 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "int4"])
 def test_a_prompt_alone_and_in_a_list_gives_the_same_bits(dtype, tmp_path):
-    # Deterministic (the default): every call runs in an engine of `slots` rows, a lone prompt included, so
+    # Deterministic: every call runs in an engine of `slots` rows, a lone prompt included, so
     # its tokens and logprobs are the same bits alone as in a list longer than the engine (run in turns).
     config = GPTConfig(n_layer=2, n_head=2, n_embd=64, n_positions=WINDOW)
     checkpoints.save(make_model(config, seed=3, std=0.1), tmp_path)

@@ -85,6 +85,17 @@ def test_a_request_alone_equals_it_beside_others_in_an_engine_of_the_same_width_
     assert_alone_equals_together(model_in(dtype))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_same_holds_with_two_threads(dtype):
+    # (The suite runs on one thread; users run on all cores, where kernels split their work.)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_alone_equals_together(model_in(dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_freed_slot_leaks_nothing_into_the_next_request():
     # Fill every freed slot with NaN: the next request in that slot must give exactly what it gives in a new
     # engine (positions, penalties and cache reset).

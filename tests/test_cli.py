@@ -147,6 +147,19 @@ def test_int4_with_a_group_size_is_the_api_s_int4(ckpt, capsys, monkeypatch):
     assert record["token_ids"] == expected.token_ids
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_batch_size_and_deterministic_reach_the_generator(ckpt, capsys, monkeypatch, deterministic):
+    import generate.api
+
+    real, made = generate.api.load, []
+    monkeypatch.setattr(generate.api, "load", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    args = ["The quick brown fox", "-c", ckpt, "--json", "-n", "4", "--batch-size", "3"]
+    assert main(args + ["--deterministic"] * deterministic) == 0
+    assert (made[0].slots, made[0].deterministic) == (3, deterministic)
+    assert made[0].width(1) == (3 if deterministic else 1)
+    assert len(json_lines(capsys.readouterr().out)) == 1
+
+
 def test_a_group_size_the_model_cannot_take_is_one_error_line(ckpt, capsys):
     # The checkpoint's width is 32: groups of 64 do not divide it.
     assert main(["Hello", "-c", ckpt, "--dtype", "int4", "--group-size", "64"]) == 1

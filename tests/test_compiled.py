@@ -2,8 +2,8 @@
 progress, loaded by later engines, a damaged library compiled again, and a key that changes with everything
 the compiled code depends on.
 
-(Its arithmetic is tested with the engine's: test_prefix_consistency and test_batch_invariance run compiled
-engines over a whole window and alone versus beside others.)
+(Its arithmetic is tested with the engine's: test_prefix_consistency runs compiled engines over a whole
+window, alone and beside others, in fp32 and bf16.)
 """
 
 import logging
@@ -22,7 +22,7 @@ from helpers import (
     mixed_requests,
     run_and_record,
 )
-from model import KVCache
+from model import GPTConfig, KVCache
 
 CONFIG = TINY_CONFIGS["2x2x32"]
 
@@ -30,17 +30,20 @@ CONFIG = TINY_CONFIGS["2x2x32"]
 def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_compiled_again(
     monkeypatch, caplog
 ):
-    model, requests = make_model(CONFIG, seed=6, std=0.3), mixed_requests(CONFIG, 6, count=5)
-    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(CONFIG, 2, 64))}.so"
+    # A window of 100 positions: not whole chunks (the cache holds 128, the step reads one or two chunks).
+    config = GPTConfig(vocab_size=211, n_positions=100, n_embd=32, n_layer=2, n_head=2)
+    model, requests = make_model(config, seed=6, std=0.3), mixed_requests(config, 6, count=5)
+    assert max(len(r.prompt) + r.max_new_tokens for r in requests) > 64
+    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(config, 2, 100))}.so"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a library")  # damaged, as by a full disk or a foreign file
     lines: list[str] = []
     with caplog.at_level(logging.INFO, logger="gptgen"):
         engine = Engine(model, slots=2, max_len=20, compile=True, progress=lines.append)
     assert "could not load" in caplog.text and "compiling it again" in caplog.text
-    assert lines[0].startswith("compiling the decode step (2 slots x 64 positions")
+    assert lines[0].startswith("compiling the decode step (2 slots x 100 positions")
     assert lines[-1].startswith("decode step compiled in")
-    assert engine.cache.max_len == CONFIG.n_positions  # the whole window, whatever max_len asked
+    assert engine.cache.max_len == config.n_positions  # the whole window, whatever max_len asked
     assert path.stat().st_size > 10_000
 
     def refuse(*args):

@@ -10,10 +10,10 @@ bytes, the config, the dtype, the width, the source of ``model/`` and of this mo
 a compile the least recently used libraries go until the folder holds at most ``$GPTGEN_CACHE_MAX_GB``
 (default 8) GiB. Inductor's own caches (autotuning, kernels) live under ``inductor/`` beside them.
 
-On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph) over the whole window, compiled in
-each process. Autotuning picks the GEMM kernels once, when the step is compiled; the library then runs
-those kernels in every step and every process that loads it, and a row's bits are fixed by the step's shapes
-(:mod:`generate.engine.runner`).
+On the CPU, autotuning picks the GEMM kernels once, when the step is compiled; the library then runs those
+kernels in every step and every process that loads it, and a row's bits are fixed by the step's shapes
+(:mod:`generate.engine.runner`). On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph)
+over the whole window, compiled in each process.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
 from generate.engine.sampling import sample_row
 from model import GPT, GPTConfig, KVCache
+from model.attention import CHUNK
 
 
 class GenerationError(RuntimeError):
@@ -37,7 +38,8 @@ def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int
     """Memory an engine needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
     penalty counts) and one prefill's activations (attention scores included)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    cache = KVCache.bytes_per_token(config, dtype) * slots * cache_len
+    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
+    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
     per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
     # (the cached attention holds three fp32 (n_head, T, T) tensors at its peak: scores, masked, softmax)
     prefill = prompt_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * prompt_len * 4)

@@ -388,6 +388,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _O
         logging.getLogger("gptgen").addHandler(handler)
         logging.getLogger("gptgen").setLevel(logging.INFO)
     gen = load_generator(args, slots=args.batch_size)
+    if args.compile and len(prompts) * args.num_samples > 1:
+        gen.deterministic = True  # every batch at --batch-size rows: one compiled step, even for the last
     _check_prompts(gen, prompts, args.prompts_file)
     _run(gen, [prompt for _, prompt in prompts], args, out)
 
