@@ -13,7 +13,7 @@ import torch
 import checkpoints
 from generate.engine.engine import Engine
 from generate.engine.memory import said_plainly
-from generate.engine.request import Request, check_prompts, check_seed
+from generate.engine.request import Request, check_prompts
 from generate.engine.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
@@ -204,6 +204,7 @@ class Generator:
         # Only ids the tokenizer can spell are chosen (a checkpoint may pad its vocabulary, e.g. to 50304).
         requests = [Request(p, sampling, max_new_tokens, seed=s, eos_id=checkpoints.EOT_ID, stop=stop,
                             logprobs=logprobs) for p, s in zip(ids, seeds, strict=True)]  # fmt: skip
+        # Every prompt is checked before any runs, and an error names it by its index in the list.
         check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
         engine = self.engine(self.width(len(ids)), longest)
@@ -276,14 +277,7 @@ class Generator:
         ids = [self.encode(p) for p in prompt]
         if not ids:
             return []  # a batch of no prompts has no completions
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(ids)
-        if len(seeds) != len(ids):
-            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
-        for s in seeds:
-            check_seed(s)
-        # Every prompt is checked before the first batch runs, and an error names it by its index in `prompt`.
-        check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
-        return self._drain(self._run(ids, options, seeds))
+        return self._drain(self._run(ids, options, seed))
 
     @staticmethod
     def _drain(run: PyGenerator[tuple[int, str], None, list[Completion]]) -> list[Completion]:
