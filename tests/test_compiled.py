@@ -41,7 +41,7 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
     with caplog.at_level(logging.INFO, logger="gptgen"):
         engine = Engine(model, slots=2, max_len=20, compile=True, progress=lines.append)
     assert "could not load" in caplog.text and "compiling it again" in caplog.text
-    assert lines[0].startswith("compiling the decode step (2 slots x 100 positions")
+    assert lines[0].startswith("compiling the decode step (2 rows x 100 positions")
     assert lines[-1].startswith("decode step compiled in")
     assert engine.cache.max_len == config.n_positions  # the whole window, whatever max_len asked
     assert path.stat().st_size > 10_000

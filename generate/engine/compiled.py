@@ -169,8 +169,9 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress) -> None
     """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _use_inductor_cache()
-    what = (f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions; a minute or more, "
-            "once per checkpoint, dtype and width)")  # fmt: skip
+    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}"
+    what = (f"compiling the decode step ({rows} x {cache.max_len} positions; a minute or more, once per "
+            "checkpoint, dtype and width)")  # fmt: skip
     with (
         _progress(what, progress),
         torch.no_grad(),  # inductor freezes (folds and prepacks the weights) only with grad off
