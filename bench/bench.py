@@ -73,6 +73,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time eager with deterministic=True (8 rows for any call: what determinism costs)",
     )
+    p.add_argument("--device", default="cpu", help="where both libraries run: cpu (default), cuda, cuda:N")
     p.add_argument("--worker", choices=["ours", "wide", "compiled", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -101,7 +102,7 @@ def _peak_rss() -> int:
     return 0
 
 
-def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) -> None:
+def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, device: str) -> None:
     import torch
 
     compiled = kind == "compiled"
@@ -111,7 +112,7 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
         from generate.engine.request import Request
 
         # int8-body / int4-body: quantized blocks, bf16 output head
-        model = checkpoints.load(directory, dtype=dtype_name, group_size=group_size)
+        model = checkpoints.load(directory, dtype=dtype_name, group_size=group_size, device=device)
         greedy = SamplingParams(temperature=0)
         # "ours" and "compiled": the API's default (an engine as wide as the call; compiled, 1 row for one
         # prompt and 8 for more); "wide": deterministic=True, 8 rows for any call.
@@ -126,7 +127,8 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
 
         def prefill(ids: list[int]) -> None:
             with torch.inference_mode():
-                model(torch.tensor([ids]), last_only=True)  # the reference forward: prefill is eager
+                model(torch.tensor([ids], device=device), last_only=True)  # prefill is eager
+            _sync(device)
 
         tensors = [*model.named_parameters(), *model.named_buffers()]  # quantized matrices are buffers
         weights = sum(t.numel() * t.element_size() for _, t in tensors if t.dtype != torch.bool)  # no masks
@@ -137,13 +139,13 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
 
         transformers.logging.set_verbosity_error()
         model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype_name))
-        model.eval()
+        model.eval().to(device)
 
         def run_generate(prompts: list[list[int]], new: int, room: int) -> list[list[int]]:
             del room
             longest = max(len(p) for p in prompts)
-            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+            ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=ids,
@@ -157,7 +159,8 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
 
         def prefill(ids: list[int]) -> None:
             with torch.inference_mode():
-                model(torch.tensor([ids]), logits_to_keep=1)
+                model(torch.tensor([ids], device=device), logits_to_keep=1)
+            _sync(device)
 
         weights = read = sum(p.numel() * p.element_size() for p in model.parameters())
     info = {"ready": True, "weights": weights, "read": read, "threads": torch.get_num_threads()}
@@ -180,6 +183,14 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None) 
 # ---------------------------------------------------------------- parent side
 
 
+def _sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that a timing covers it."""
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 class Worker:
     """A library in its own process, answering one JSON job per line."""
 
@@ -190,11 +201,13 @@ class Worker:
         dtype: str,
         compile_dir: str | None = None,
         group_size: int | None = None,
+        device: str = "cpu",
     ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if compile_dir:
             env["GPTGEN_CACHE_DIR"] = compile_dir
         command = [sys.executable, __file__, "--worker", kind, "--dir", directory, "--dtype", dtype]
+        command += ["--device", device]
         if group_size is not None:
             command += ["--group-size", str(group_size)]
         self.proc = subprocess.Popen(
@@ -252,13 +265,13 @@ def checkpoint_dir(model: str | None) -> Iterator[str]:
         yield directory
 
 
-def read_bandwidth() -> float:
-    """Bytes per second a sum over a 1 GiB tensor reads, best of 5 (torch, all threads)."""
+def read_bandwidth(device: str = "cpu") -> float:
+    """Bytes per second a sum over a 1 GiB tensor on ``device`` reads, best of 5 (torch, all threads)."""
     import torch
 
-    x = torch.ones(2**28, dtype=torch.float32)
+    x = torch.ones(2**28, dtype=torch.float32, device=device)
     x.sum()
-    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    best = min(_timed(lambda: (x.sum(), _sync(device))) for _ in range(5))
     return x.nbytes / best
 
 
@@ -324,13 +337,14 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
     long_prompt = torch.randint(0, vocab, (min(window, 128 if args.quick else 512),), generator=g).tolist()
     # int8 and int4 are weight-only: their activations and KV cache are bf16, so HF runs in bf16 beside them.
     hf_dtype = "bfloat16" if dtype.startswith(("int8", "int4")) else dtype
-    workers = {"ours": Worker("ours", directory, dtype, group_size=args.group_size)}
+    dev = args.device
+    workers = {"ours": Worker("ours", directory, dtype, group_size=args.group_size, device=dev)}
     if args.wide:
-        workers["wide"] = Worker("wide", directory, dtype, group_size=args.group_size)
+        workers["wide"] = Worker("wide", directory, dtype, group_size=args.group_size, device=dev)
     try:
         if args.compile:
             start = time.perf_counter()
-            workers["compiled"] = Worker("compiled", directory, dtype, compile_dir, args.group_size)
+            workers["compiled"] = Worker("compiled", directory, dtype, compile_dir, args.group_size, dev)
             workers["compiled"].ask(op="generate", prompts=[prompt], new=2, room=new)
             took = time.perf_counter() - start
             print(f"[{dtype}] compiled: a first process (empty cache) generates {took:.1f} s after it starts "
@@ -341,14 +355,14 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
             print(f"[{dtype}] compiled: then batch 8 generates in {took:.1f} s (compiling the 8-row step)",
                   flush=True)  # fmt: skip
             start = time.perf_counter()
-            second = Worker("compiled", directory, dtype, compile_dir, args.group_size)
+            second = Worker("compiled", directory, dtype, compile_dir, args.group_size, dev)
             rss = second.ask(op="generate", prompts=[prompt], new=2, room=new)["peak_rss"]
             took = time.perf_counter() - start
             print(f"[{dtype}] compiled: a second process generates {took:.1f} s after it starts (the "
                   f"compiled step loaded from disk); its peak RSS {rss / 2**20:.0f} MiB (the first "
                   "process's below includes compiling)", flush=True)  # fmt: skip
             second.close()
-        workers["hf"] = Worker("hf", directory, hf_dtype)
+        workers["hf"] = Worker("hf", directory, hf_dtype, device=dev)
         tokens = {n: w.ask(op="generate", prompts=batch[:3], new=16)["tokens"] for n, w in workers.items()}
         same = {name: tokens[name] == tokens["hf"] for name in workers if name != "hf"}
         label = dtype if dtype == hf_dtype else f"{dtype} vs HF {hf_dtype}"
@@ -365,7 +379,7 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
         bandwidths = []  # read before every batch-1 call (every library alike): the bandwidth drifts
 
         def batch1(w: Worker) -> float:
-            bandwidths.append(read_bandwidth())
+            bandwidths.append(read_bandwidth(dev))
             return decode_rate(w, [prompt], new)
 
         if "batch1" in measure:
@@ -461,7 +475,7 @@ def llama_cpp(binary: str, files: list[str], threads: int, rounds: int, new: int
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
     if args.worker:
-        _worker(args.worker, args.dir, args.dtype, args.group_size)
+        _worker(args.worker, args.dir, args.dtype, args.group_size, args.device)
         return
     import torch
     import transformers
@@ -473,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     print(cpu_description(), flush=True)
+    if args.device != "cpu":
+        print(f"device: {args.device} ({torch.cuda.get_device_name(args.device)})", flush=True)
     if args.group_size is not None:
         print(f"int4 group size {args.group_size}", flush=True)
     with checkpoint_dir(args.model) as directory, tempfile.TemporaryDirectory() as compile_dir:

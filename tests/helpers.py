@@ -133,7 +133,7 @@ def run_and_record(engine: Engine, requests: list[Request]) -> dict[int, list[to
 
 def assert_engine_matches_full_forward(model, requests, seen, tol):
     for r in requests:
-        ids = torch.tensor([r.prompt + r.token_ids[:-1]])
+        ids = torch.tensor([r.prompt + r.token_ids[:-1]], device=model.device)
         with torch.no_grad():
             full = model(ids)[0, len(r.prompt) - 1 :].float()  # the logits each chosen token came from
         got = torch.stack(seen[id(r)])

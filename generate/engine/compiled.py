@@ -307,6 +307,8 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
         return model(tokens, positions=positions, cache=cache, last_only=True)[:, -1]
 
     cuda = model.device.type == "cuda"
+    for buffer in (*cache.k, *cache.v):  # written in place at fixed addresses: CUDA graphs may replay it
+        torch._dynamo.mark_static_address(buffer)
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
     what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
     with (

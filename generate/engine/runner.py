@@ -2,10 +2,10 @@
 
 Each prompt is prefilled alone, eagerly: its shapes are its own, so its logits and its keys and values do not
 depend on any other request. A decode step runs every slot at once, one token each at its own position (idle
-slots too, at position 0), and reads the cache positions up to the furthest row's, in whole chunks of
-:data:`model.attention.CHUNK` positions; a row's attention gives the same bits over any number of chunks
+slots too, at position 0), and on the CPU reads the cache positions up to the furthest row's, in whole chunks
+of :data:`model.attention.CHUNK` positions; a row's attention gives the same bits over any number of chunks
 (:meth:`model.CausalAttention.decode`), and every product has the same shapes in every step, so a row's
-bits depend on that row alone.
+bits depend on that row alone. Elsewhere (CUDA) every step reads the whole cache: the same shapes always.
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ class Runner:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
         device = self.model.device
         tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
-        span = int(positions.max()) + 1  # (read in whole chunks: the model rounds it up)
+        # The CPU reads up to the furthest row (in whole chunks: the model rounds it up); a GPU's kernels
+        # split their sums by the shapes they are given, so there every step reads the whole cache.
+        span = int(positions.max()) + 1 if device.type == "cpu" else self.cache.max_len
         if self._step is not None:
             return self._step(tokens, rows, span)
         return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
