@@ -13,7 +13,7 @@ import torch
 import checkpoints
 from generate.engine.engine import Engine
 from generate.engine.memory import said_plainly
-from generate.engine.request import Request, check_prompts
+from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
@@ -198,14 +198,10 @@ class Generator:
         max_new_tokens = options.pop("max_new_tokens")
         logprobs = options.pop("logprobs")
         sampling = SamplingParams(**options)
-        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(ids)
-        if len(seeds) != len(ids):
-            raise ValueError(f"got {len(seeds)} seeds for {len(ids)} prompts; pass one per prompt")
-        # Only ids the tokenizer can spell are chosen (a checkpoint may pad its vocabulary, e.g. to 50304).
-        requests = [Request(p, sampling, max_new_tokens, seed=s, eos_id=checkpoints.EOT_ID, stop=stop,
-                            logprobs=logprobs) for p, s in zip(ids, seeds, strict=True)]  # fmt: skip
-        # Every prompt is checked before any runs, and an error names it by its index in the list.
-        check_prompts(ids, self.model.config.vocab_size, self.model.config.n_positions)
+        cfg = self.model.config
+        requests = make_requests(ids, seed, cfg.vocab_size, cfg.n_positions, sampling=sampling,
+                                 max_new_tokens=max_new_tokens, eos_id=checkpoints.EOT_ID, stop=stop,
+                                 logprobs=logprobs)  # fmt: skip
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
         engine = self.engine(self.width(len(ids)), longest)
         rows = {id(r): i for i, r in enumerate(requests)}

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from generate.engine.engine import Engine
-from generate.engine.request import Request, check_max_new_tokens, check_prompts
+from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
 from model import GPT
 
@@ -53,14 +53,10 @@ def generate_ids(
         >>> generate_ids(model, [[464, 3290]], max_new_tokens=5, sampling=SamplingParams(temperature=0))
         ... # doctest: +SKIP
     """
-    check_max_new_tokens(max_new_tokens)
-    check_prompts(prompts, model.config.vocab_size, model.config.n_positions)
-    seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
-    requests = [Request(p, sampling or SamplingParams(), max_new_tokens, seed=s, eos_id=eos_id,
-                        logprobs=logprobs) for p, s in zip(prompts, seeds, strict=True)]  # fmt: skip
-    longest = max(len(p) for p in prompts) + max(1, int(max_new_tokens))
+    cfg, sampling = model.config, sampling or SamplingParams()
+    requests = make_requests(prompts, seed, cfg.vocab_size, cfg.n_positions, sampling=sampling,
+                             max_new_tokens=max_new_tokens, eos_id=eos_id, logprobs=logprobs)  # fmt: skip
+    longest = max(len(r.prompt) for r in requests) + max(1, requests[0].max_new_tokens)
     max_len = min(model.config.n_positions, longest)
     engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
     for r in requests:

@@ -48,15 +48,28 @@ def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
         raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab: int, window: int) -> None:
-    """:func:`check_prompt` for each prompt; the message says which (``prompt i``, counted from 0)."""
+def make_requests(
+    prompts: Sequence[Sequence[int]],
+    seed: int | Sequence[int | None] | None,
+    vocab: int,
+    window: int,
+    **fields: object,
+) -> list[Request]:
+    """One :class:`Request` per prompt, every one checked before any runs: ``seed`` is one seed for every
+    prompt or one per prompt; ``fields`` are the other :class:`Request` fields. An error names a bad prompt
+    by its index (``prompt i``, from 0) where there are several."""
     if not prompts:
         raise ValueError("no prompts given; pass at least one")
-    for i, p in enumerate(prompts):
+    seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
+    requests = [Request(list(p), seed=s, **fields) for p, s in zip(prompts, seeds, strict=True)]
+    for i, r in enumerate(requests):
         try:
-            check_prompt(p, vocab, window)
+            check_prompt(r.prompt, vocab, window)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
+    return requests
 
 
 def check_max_new_tokens(value: object) -> int:
