@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine.engine import Engine
+from generate.engine.engine import Engine, raise_errors
 from generate.engine.memory import said_plainly
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
@@ -81,6 +82,7 @@ class Generator:
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
         self.progress = progress
         self._engine: Engine | None = None
+        self._lock = threading.RLock()  # one engine step at a time: calls may overlap (threads, streams)
 
     def width(self, count: int) -> int:
         """The engine width a call of ``count`` prompts runs in: :attr:`slots` when deterministic; else as
@@ -178,22 +180,32 @@ class Generator:
 
         The engine is kept and reused while it has ``slots`` slots and at least ``max_len`` positions (how
         many positions it holds changes no bits; its width does: see :attr:`slots`). One engine is kept at a
-        time; a compiled engine holds the whole window, so one compile serves every call.
+        time; a compiled engine holds the whole window, so one compile serves every call. While another call
+        runs in the kept engine and it does not fit, this call gets an engine of its own, not kept.
         """
         max_len = min(max(max_len, 2), self.model.config.n_positions)
-        if self._engine is None or self._engine.slots != slots or self._engine.cache.max_len < max_len:
-            self._engine = None  # (its KV cache, and a compiled step, freed before the next is made)
-            self._engine = Engine(self.model, slots=slots, max_len=max_len,
-                                  compile=self.compile, progress=self.progress,
-                                  token_bytes=self.tokenizer.decode_single_token_bytes,
-                                  vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
+        kept = self._engine
+        if kept is not None and kept.slots == slots and kept.cache.max_len >= max_len:
+            return kept
+        if kept is not None and kept.has_work:
+            return self._make_engine(slots, max_len)
+        self._engine = None  # (its KV cache, and a compiled step, freed before the next is made)
+        self._engine = self._make_engine(slots, max_len)
         return self._engine
+
+    def _make_engine(self, slots: int, max_len: int) -> Engine:
+        return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,
+                      token_bytes=self.tokenizer.decode_single_token_bytes,
+                      vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
 
     def _run(
         self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None
     ) -> PyGenerator[tuple[int, str], None, list[Completion]]:
         """Run encoded prompts in an engine of :meth:`width` (a prompt joins as soon as a slot is free):
-        yield (row, settled text) as it comes; return the completions."""
+        yield (row, settled text) as it comes; return the completions.
+
+        Calls may overlap (threads, streams read in turn): each steps the engine under the lock, which
+        advances every call's requests, and takes only its own requests' text."""
         stop = options.pop("stop")
         max_new_tokens = options.pop("max_new_tokens")
         logprobs = options.pop("logprobs")
@@ -203,20 +215,28 @@ class Generator:
                                  max_new_tokens=max_new_tokens, eos_id=checkpoints.EOT_ID, stop=stop,
                                  logprobs=logprobs)  # fmt: skip
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
-        engine = self.engine(self.width(len(ids)), longest)
-        rows = {id(r): i for i, r in enumerate(requests)}
-        for r in requests:
-            engine.add(r)
+        with self._lock:
+            engine = self.engine(self.width(len(ids)), longest)
+            for r in requests:
+                engine.add(r)
         try:
-            while engine.has_work:
-                for request, _ in engine.step():
-                    piece = request.text.take(final=request.done)
+            while True:
+                finished = all(r.done for r in requests)  # (other calls' steps may have advanced them)
+                for row, r in enumerate(requests):
+                    piece = r.text.take(final=r.done)
                     if piece:
-                        yield rows[id(request)], piece
+                        yield row, piece
+                raise_errors(requests)
+                if finished:
+                    break
+                with self._lock:
+                    if not all(r.done for r in requests):
+                        engine.step()
         finally:
-            for r in requests:  # an abandoned stream (or an error) leaves no request in the engine
-                if not r.done:
-                    engine.cancel(r)
+            with self._lock:
+                for r in requests:  # an abandoned stream (or an error) leaves no request in the engine
+                    if not r.done:
+                        engine.cancel(r)
         return [
             Completion(text=r.text.text, token_ids=r.token_ids, finish_reason=r.finish_reason or "length",
                        logprobs=r.logprobs_list if logprobs else None, prompt_tokens=len(r.prompt))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from generate.engine.engine import Engine
+from generate.engine.engine import Engine, raise_errors
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
 from model import GPT
@@ -63,6 +63,7 @@ def generate_ids(
         engine.add(r)
     for _ in engine.run():
         pass
+    raise_errors(requests)
     return [
         TokenCompletion(r.token_ids, r.finish_reason, r.logprobs_list if logprobs else None) for r in requests
     ]

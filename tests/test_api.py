@@ -371,3 +371,73 @@ def test_prompts_from_any_iterable_and_binary_ones_named(gen):
         gen.generate(b"a prompt")
     with pytest.raises(TypeError, match=r"a prompt must be a str, got int"):
         gen.generate(5)
+
+
+# --- overlapping calls on one Generator ------------------------------------------------------------------
+
+OVERLAP_OPTIONS = {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "logprobs": True}
+OVERLAP_PROMPTS = ["To be", "or not to be", "that is", "the question"]
+
+
+@pytest.fixture(scope="module")
+def wide_gen() -> generate.Generator:
+    """Deterministic: every call runs in 2 rows, so overlapping calls share an engine of one width."""
+    return generate.Generator(make_model(CONFIG, seed=0, std=0.3), slots=2, deterministic=True)
+
+
+def alone(gen: generate.Generator) -> dict[str, generate.Completion]:
+    return {p: gen.generate(p, seed=i, **OVERLAP_OPTIONS) for i, p in enumerate(OVERLAP_PROMPTS)}
+
+
+def test_streams_read_in_turn_each_give_what_they_give_alone(wide_gen):
+    expected = alone(wide_gen)
+    streams = {p: wide_gen.stream_completion(p, seed=i, **OVERLAP_OPTIONS) for i, p in enumerate(expected)}
+    texts, done = dict.fromkeys(expected, ""), {}
+    while len(done) < len(streams):  # one piece from each stream in turn (zip would drop a piece at the end)
+        for p, stream in streams.items():
+            if p not in done:
+                try:
+                    texts[p] += next(stream)
+                except StopIteration as end:
+                    done[p] = end.value
+    assert texts == {p: c.text for p, c in expected.items()}
+    assert {p: c.logprobs for p, c in done.items()} == {p: c.logprobs for p, c in expected.items()}
+    assert not wide_gen._engine.has_work
+
+
+def test_threads_calling_one_generator_each_get_what_they_get_alone(wide_gen):
+    import threading
+
+    expected = alone(wide_gen)
+    got: dict[str, generate.Completion] = {}
+    errors: list[BaseException] = []
+
+    def call(i: int, prompt: str) -> None:
+        try:
+            for _ in range(3):
+                got[prompt] = wide_gen.generate(prompt, seed=i, **OVERLAP_OPTIONS)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(i, p)) for i, p in enumerate(expected)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    assert {p: (c.text, c.logprobs) for p, c in got.items()} == {
+        p: (c.text, c.logprobs) for p, c in expected.items()
+    }
+
+
+def test_an_abandoned_stream_changes_nothing_and_is_cancelled_when_closed(wide_gen):
+    expected = alone(wide_gen)
+    held = wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS)
+    next(held)  # read once, then left unread (still referenced)
+    later = wide_gen.generate("that is", seed=2, **OVERLAP_OPTIONS)
+    assert (later.text, later.logprobs) == (expected["that is"].text, expected["that is"].logprobs)
+    held.close()
+    assert not wide_gen._engine.has_work
+    for _, piece in zip(range(2), wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS), strict=False):
+        assert piece  # a loop broken off: its request is cancelled at once
+    assert not wide_gen._engine.has_work

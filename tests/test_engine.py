@@ -194,7 +194,7 @@ def model_with_nan_at_position(position):
     return model
 
 
-def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_go_on():
+def test_a_non_finite_request_ends_with_error_and_the_others_go_on():
     from generate.engine.engine import Engine
     from generate.engine.request import Request
 
@@ -208,7 +208,6 @@ def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_g
         Request(after, GREEDY, 6, eos_id=None),  # joins a slot a failed request left
     ]
     engine = Engine(model, slots=2)
-    engine.fail_fast = False
     for r in requests:
         engine.add(r)
     events = [e for step in engine.run() for e in step]
@@ -226,15 +225,29 @@ def test_without_fail_fast_a_non_finite_request_ends_with_error_and_the_others_g
     assert (hit.error, hit.finish_reason, hit.token_ids) == (None, None, [])
 
 
-def test_fail_fast_is_the_default_and_raises():
-    from generate.engine.engine import Engine
+def test_a_request_whose_sampling_fails_ends_alone_with_an_error():
+    from generate.engine.engine import Engine, raise_errors
     from generate.engine.request import Request
 
-    model = model_with_nan_at_position(10)
-    engine = Engine(model, slots=2)
-    assert engine.fail_fast is True
-    engine.add(Request([1, 2, 3], GREEDY, 6, eos_id=None))
-    engine.add(Request([4] * 9, GREEDY, 6, eos_id=None))  # its third step feeds position 10
-    with pytest.raises(GenerationError, match="NaN or infinite logits"):
-        for _ in engine.run():
-            pass
+    model = make_model(TINY_CONFIGS["2x2x32"], seed=1)
+    broken = {7}
+
+    def token_bytes(token: int) -> bytes:  # a tokenizer that fails on one request's prompt token
+        if token in broken:
+            raise KeyError(token)
+        return b"x"
+
+    engine = Engine(model, slots=2, token_bytes=token_bytes)
+    ok, bad = Request([1, 2, 3], GREEDY, 6, eos_id=None), Request([4, 5], GREEDY, 6, eos_id=None)
+    alone = generate_ids(model, [[1, 2, 3]], max_new_tokens=6, sampling=GREEDY, eos_id=None)[0]
+    first = greedy_by_recomputation(model, [4, 5], 1)
+    broken.add(first[0])  # its first token cannot be spelled
+    engine.add(ok)
+    engine.add(bad)
+    for _ in engine.run():
+        pass
+    assert (bad.finish_reason, bad.token_ids) == ("error", first)  # chosen, then its text failed
+    assert "could not be chosen: KeyError" in bad.error
+    assert ok.token_ids == alone.token_ids and ok.error is None
+    with pytest.raises(GenerationError, match="KeyError"):
+        raise_errors([ok, bad])

@@ -130,3 +130,53 @@ def test_engine_rows_reaching_the_window_end_equal_recomputation(config, data):
     for p, row in zip(prompts, rows, strict=True):
         assert len(p) + len(row.token_ids) == n and row.finish_reason == "length"
         assert row.token_ids == greedy_by_recomputation(model, p, n)
+
+
+def extremes(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """Floats over a documented range, its ends and the smallest and largest magnitudes within it."""
+    edge = [v for v in (low, high) if not (v == low and low_open) and not (v == high and high_open)]
+    tiny = [v for v in (5e-324, 1e-300, 1e-45, 1e-40) if low < v < high or (v == low and not low_open)]
+    return st.one_of(
+        st.sampled_from(edge + tiny),
+        st.floats(low, high, exclude_min=low_open, exclude_max=high_open, allow_nan=False),
+    )
+
+
+@st.composite
+def any_valid_sampling(draw):
+    return SamplingParams(
+        temperature=draw(st.one_of(st.just(0.0), extremes(0.0, 1e308, low_open=True))),
+        top_k=draw(st.one_of(st.integers(0, 130), st.just(2**62))),
+        top_p=draw(extremes(0.0, 1.0, low_open=True)),
+        min_p=draw(extremes(0.0, 1.0, high_open=True)),
+        repetition_penalty=draw(extremes(0.0, 1e308, low_open=True)),
+        presence_penalty=draw(extremes(-2.0, 2.0)),
+        frequency_penalty=draw(extremes(-2.0, 2.0)),
+    )
+
+
+ISOLATION_CONFIG = GPTConfig(vocab_size=97, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+ISOLATION_MODEL = make_model(ISOLATION_CONFIG, std=0.3)
+
+
+@SETTINGS
+@given(params=any_valid_sampling(), seed=st.integers(0, 2**64 - 1))
+def test_any_valid_sampling_runs_and_leaves_the_rows_beside_it_unchanged(params, seed):
+    # Every value validation accepts, extremes included, samples without an error, keeps at least the most
+    # likely token, and changes nothing for the greedy rows beside it (their tokens equal their solo run).
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
+
+    model = ISOLATION_MODEL
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    solo = [generate_ids(model, [p], max_new_tokens=8, sampling=GREEDY, eos_id=None)[0] for p in prompts[:2]]
+    engine = Engine(model, slots=3)
+    greedy = [Request(p, GREEDY, 8, eos_id=None) for p in prompts[:2]]
+    drawn = Request(prompts[2], params, 8, seed=seed, eos_id=None, logprobs=True)
+    for r in (greedy[0], drawn, greedy[1]):
+        engine.add(r)
+    for _ in engine.run():
+        pass
+    assert drawn.error is None and len(drawn.token_ids) == 8
+    assert all(0 <= t < 97 for t in drawn.token_ids)
+    assert [r.token_ids for r in greedy] == [c.token_ids for c in solo]

@@ -24,7 +24,14 @@ from model.attention import CHUNK
 
 
 class GenerationError(RuntimeError):
-    """The model produced something that cannot be sampled from (NaN or infinite logits)."""
+    """A request could not be continued (NaN or infinite logits; sampling or decoding failed)."""
+
+
+def raise_errors(requests: list[Request]) -> None:
+    """Raise :class:`GenerationError` with the first of ``requests`` that ended with an error, if any."""
+    for r in requests:
+        if r.finish_reason == "error":
+            raise GenerationError(r.error)
 
 
 # Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
@@ -73,10 +80,9 @@ class Engine:
         compile: run the decode step compiled (see :class:`generate.engine.runner.Runner`).
         progress: with ``compile``, called with a line of text as the compile goes on.
 
-    Attributes:
-        fail_fast: True (default): a request whose logits are not finite makes :meth:`step` raise
-            :class:`GenerationError`. False (a server): that request alone finishes with ``"error"`` (its
-            ``error`` says why) and the step goes on for the others.
+    Whatever goes wrong with one request (its logits not finite, its sampling or text failing) ends that
+    request alone with ``finish_reason`` ``"error"`` (its ``error`` says why); the other rows go on as if
+    it had never been there. Callers raise :class:`GenerationError` for their own (:func:`raise_errors`).
 
     Raises:
         ValueError: for a slot count or ``max_len`` out of range.
@@ -115,7 +121,6 @@ class Engine:
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
         self._generators: dict[int, torch.Generator] = {}  # id(request) -> its generator, until it runs
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
-        self.fail_fast = True
 
     @property
     def slots(self) -> int:
@@ -158,7 +163,6 @@ class Engine:
             may get two: the one its prefill chose and the one the decode step chose).
 
         Raises:
-            GenerationError: if a request's logits hold NaN or infinity.
             MemoryError: if the allocator ran out of memory (said plainly, not in the allocator's words).
         """
         try:  # (no context manager: this runs once a token)
@@ -226,28 +230,34 @@ class Engine:
         for slot, i in rows.items():
             request, row = self.running[slot], block[i]
             if not finite[i] and not torch.isfinite(row).all():
-                self._free(slot)
-                message = ("the model produced NaN or infinite logits; the checkpoint may be corrupt, or "
-                           "float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
-                if self.fail_fast:
-                    raise GenerationError(message)
-                request.error = message
-                request.finish("error")
+                self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
+                           "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
                 continue
             generator, seen, counts = self._state[slot]
             chosen = argmax[i] if slot in plain else None
-            token, logprob, top = sample_row(row, request.sampling, generator, seen, counts, token=chosen,
-                                             logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip
-            if request.logprobs:
-                request.logprobs_list.append(logprob)
-            if top is not None:
-                request.top_list.append(top)
-            request.record(token, self.cache.max_len)
+            try:
+                token, logprob, top = sample_row(row, request.sampling, generator, seen, counts,
+                                                 token=chosen, logprobs=request.logprobs,
+                                                 top=request.top_logprobs)  # fmt: skip
+                if request.logprobs:
+                    request.logprobs_list.append(logprob)
+                if top is not None:
+                    request.top_list.append(top)
+                request.record(token, self.cache.max_len)
+            except Exception as e:  # this request's alone (a tokenizer, a sampling bug): the others go on
+                self._fail(slot, f"its next token could not be chosen: {type(e).__name__}: {e}")
+                continue
             events.append((request, token))
             self._pending[slot] = token
             if request.done:
                 self._free(slot)
         return events
+
+    def _fail(self, slot: int, message: str) -> None:
+        request = self.running[slot]
+        self._free(slot)
+        request.error = message
+        request.finish("error")
 
     def _plain_greedy(self, slot: int) -> bool:
         """Whether the slot's request takes the argmax of its logits as they are (greedy, no penalty)."""

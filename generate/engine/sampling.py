@@ -70,6 +70,10 @@ class SamplingParams:
         check("repetition_penalty", number("repetition_penalty") > 0, "> 0 (1 disables it)")
         check("presence_penalty", -2 <= number("presence_penalty") <= 2, "in [-2, 2] (0 disables it)")
         check("frequency_penalty", -2 <= number("frequency_penalty") <= 2, "in [-2, 2] (0 disables it)")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            object.__setattr__(self, name, float(getattr(self, name)))  # (a Fraction, a numpy float)
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def penalized(self) -> bool:
@@ -135,8 +139,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens before it already reach top_p; the first token is always kept.
+        # Drop a token when the tokens before it already reach top_p; the first token is always kept (a
+        # top_p below float32's smallest number rounds to 0, which the first token's 0 would reach).
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop_sorted[:, 0] = False
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)

@@ -78,12 +78,11 @@ class EngineLoop:
     :meth:`call` and :meth:`close` are called from the asyncio thread.
 
     Args:
-        engine: the engine (its ``fail_fast`` is turned off: a request with bad logits fails alone).
+        engine: the engine (a request with bad logits, or whose sampling fails, fails alone).
         max_queue: the most requests waiting for a slot; beyond it :meth:`submit` raises :class:`QueueFull`.
     """
 
     def __init__(self, engine: Engine, max_queue: int) -> None:
-        engine.fail_fast = False
         self.engine, self.max_queue = engine, max_queue
         self.metrics = Metrics()
         self._lock = threading.Condition()

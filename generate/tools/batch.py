@@ -108,14 +108,12 @@ def run_rows(
         window = gen.model.config.n_positions
         longest = min(window, max(len(r.prompt) + max(1, r.max_new_tokens) for r in requests.values()))
         engine = gen.engine(slots, longest)  # (one width for every part of a job: the same bits)
-        fail_fast, engine.fail_fast = engine.fail_fast, False  # a row with NaN logits fails alone
-        try:
+        try:  # (a row whose logits are not finite, or whose sampling fails, fails alone)
             for r in requests.values():
                 engine.add(r)
             while engine.has_work:
                 engine.step()
         finally:
-            engine.fail_fast = fail_fast
             for r in requests.values():
                 if not r.done:
                     engine.cancel(r)
