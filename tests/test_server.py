@@ -234,6 +234,26 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
     assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
 
 
+def test_heavy_echo_leaves_a_stream_beside_it_unchanged_and_stops_when_its_client_leaves(server, offline):
+    # 32 prompts of 500 tokens, scored for echo: one prompt's forward between two steps, after admission.
+    url = server.url + "/v1/completions"
+    heavy = {"prompt": [[11] * 500] * 32, "max_tokens": 0, "echo": True, "logprobs": 1}
+    stream_body = {"prompt": "Long ago", "max_tokens": 40, "temperature": 0, "stream": True}
+    events: list = []
+    with httpx.Client(timeout=0.5) as impatient:
+        reader = threading.Thread(target=_sse, args=(url, stream_body, events))
+        reader.start()
+        with pytest.raises(httpx.TimeoutException):
+            impatient.post(url, json=heavy)  # the client leaves after 0.5 s
+        reader.join(60)
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert text == offline.generate("Long ago", max_new_tokens=40, temperature=0).text
+    assert server.logged("POST /v1/completions 499", timeout=20)  # it stopped scoring: the client left
+    small = {"prompt": [[11] * 20] * 2, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+    answer = httpx.post(url, json=small, timeout=60).json()
+    assert [c["logprobs"]["token_logprobs"][0] for c in answer["choices"]] == [None, None]
+
+
 def test_tokenize_and_detokenize(server, offline):
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "To be, or not"}).json()
     assert tokens["tokens"] == offline.encode("To be, or not") and tokens["count"] == len(tokens["tokens"])
@@ -443,3 +463,54 @@ def test_running_out_of_memory_fails_the_requests_plainly_and_the_server_goes_on
     finally:
         loop.close()
         thread.join(30)
+
+
+def test_too_many_completions_for_the_queue_get_400_at_once(small_server):
+    url, key = small_server.url + "/v1/completions", {"Authorization": "Bearer sesame"}
+    answer = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 1}, headers=key)  # queue of 1
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["code"] == "too_many_completions" and "at most 1 (--max-queue)" in error["message"]
+
+
+def _sse(url: str, body: dict, out: list) -> None:
+    """Read a stream's SSE data lines into ``out`` (then the status as its last item)."""
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        out.extend(line[6:] for line in response.iter_lines() if line.startswith("data: "))
+        out.append(response.status_code)
+
+
+def test_a_signal_ends_what_runs_past_the_timeout_with_503_and_exits_0(tmp_path):
+    # One slot and a model slow enough that three 1,000-token requests cannot finish within the timeout: the
+    # first streams, the other two wait. SIGINT after 1 s: 2 s later whatever still runs or waits ends with
+    # an OpenAI-style 503; the server exits 0 with no traceback.
+    config = GPTConfig(vocab_size=50257, n_positions=1024, n_embd=384, n_layer=8, n_head=4)
+    checkpoints.save(make_model(config, seed=1), tmp_path)
+    server = Server("-c", str(tmp_path), "--max-slots", "1", "--shutdown-timeout", "2")
+    server.wait_ready()
+    url = server.url + "/v1/completions"
+    body = {"prompt": "x", "max_tokens": 1000, "temperature": 0}
+    streamed, queued_stream, whole = [], [], []
+    threads = [
+        threading.Thread(target=_sse, args=(url, {**body, "stream": True}, streamed)),
+        threading.Thread(target=lambda: whole.append(httpx.post(url, json=body, timeout=60))),
+        threading.Thread(target=_sse, args=(url, {**body, "stream": True}, queued_stream)),
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    time.sleep(1)
+    server.proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    assert server.proc.wait(30) == 0, "".join(server.lines)
+    assert time.monotonic() - start < 2 + 5 + 3  # the timeout, the margin to answer, slack
+    for t in threads:
+        t.join(10)
+    log = "".join(server.lines)
+    assert "Traceback" not in log and "Event loop is closed" not in log, log
+    assert whole[0].status_code == 503 and whole[0].json()["error"]["code"] == "shutting_down"
+    for events in (streamed, queued_stream):  # (the first could end in time on a fast machine)
+        assert events[-2:] == ["[DONE]", 200], events[-3:]
+        last = json.loads(events[-3])
+        assert (events is streamed and "error" not in last) or last["error"]["code"] == "shutting_down"
+    assert "error" in json.loads(queued_stream[-3])

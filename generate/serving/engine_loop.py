@@ -12,6 +12,7 @@ log-probabilities, the text now settled, and, at the end, why it finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -27,6 +28,17 @@ log = logging.getLogger("gptgen.server")
 
 class QueueFull(Exception):
     """More requests are waiting for a slot than the server's ``--max-queue`` allows."""
+
+
+class TooLarge(Exception):
+    """An HTTP request has more choices than the queue can ever hold (``--max-queue``)."""
+
+
+class Stopping(Exception):
+    """The server is shutting down: it takes no new requests."""
+
+
+SHUTDOWN = "the server is shutting down; retry on another server or later"
 
 
 @dataclass
@@ -68,7 +80,8 @@ class _Sink:
     sent: int = 0
 
     def put(self, update: Update) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        with contextlib.suppress(RuntimeError):  # the HTTP side has stopped (its loop closed): no one to tell
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
 
 
 class EngineLoop:
@@ -91,6 +104,7 @@ class EngineLoop:
         self._calls: list[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._active: dict[int, tuple[Request, _Sink]] = {}  # id(request) -> (request, sink)
         self._closed = False
+        self._deadline: float | None = None  # set by stop(): when what still runs is ended
 
     @property
     def queued(self) -> int:
@@ -106,13 +120,20 @@ class EngineLoop:
         """Queue an HTTP request's engine requests; their updates arrive on the returned queue.
 
         Raises:
-            QueueFull: if they would take the waiting queue past ``max_queue``, or the server is stopping.
+            TooLarge: if they are more than ``max_queue``: they could never all wait.
+            QueueFull: if they would take the waiting queue past ``max_queue`` now.
+            Stopping: if the server is shutting down.
         """
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        if len(requests) > self.max_queue:
+            raise TooLarge(
+                f"the request asks for {len(requests)} completions (prompts x n) but the server queues at "
+                f"most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
+            )
         with self._lock:
-            if self._closed:
-                raise QueueFull("the server is shutting down")
+            if self._closed or self._deadline is not None:
+                raise Stopping(SHUTDOWN)
             if self.queued + len(requests) > self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
@@ -129,13 +150,21 @@ class EngineLoop:
             self._lock.notify()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` in the engine's thread between steps (e.g. a forward pass for prompt logprobs)."""
+        """Run ``fn`` in the engine's thread between steps (e.g. a forward pass for prompt logprobs), one
+        call between two steps."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
             self._calls.append((fn, future, loop))
             self._lock.notify()
         return await future
+
+    def stop(self, timeout: float) -> None:
+        """Take no new requests; end what still runs ``timeout`` seconds from now with :data:`SHUTDOWN`."""
+        with self._lock:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + timeout
+            self._lock.notify()
 
     def close(self) -> None:
         """Cancel everything still queued or running; :meth:`run` then returns."""
@@ -149,12 +178,16 @@ class EngineLoop:
             with self._lock:
                 while not (
                     self._incoming or self._cancels or self._calls or self._closed or self.engine.has_work
-                ):
+                    or self._past_deadline()
+                ):  # fmt: skip
                     self._lock.wait(0.5)  # (a timeout keeps signal handlers running in the main thread)
+                if self._past_deadline():
+                    self._end_all(SHUTDOWN)
                 if self._closed:
                     self._cancels += [r for r, _ in self._incoming] + [r for r, _ in self._active.values()]
-                incoming, cancels, calls = self._incoming, self._cancels, self._calls
-                self._incoming, self._cancels, self._calls = [], [], []
+                # One call (a prompt's logprobs) between two steps: queued calls never stall the streams.
+                incoming, cancels, calls = self._incoming, self._cancels, self._calls[:1]
+                self._incoming, self._cancels, self._calls = [], [], self._calls[1:]
             for fn, future, loop in calls:
                 self._answer(fn, future, loop)
             self._apply(incoming, cancels)
@@ -162,6 +195,24 @@ class EngineLoop:
                 return
             if self.engine.has_work:
                 self._step()
+
+    def _past_deadline(self) -> bool:
+        return (
+            self._deadline is not None
+            and time.monotonic() >= self._deadline
+            and bool(self._incoming or self._active)
+        )
+
+    def _end_all(self, message: str) -> None:
+        """End every queued and running request with ``message`` (their clients are told)."""
+        for request, sink in self._incoming:
+            self._active[id(request)] = (request, sink)
+        self._incoming = []
+        for request, _ in self._active.values():
+            if not request.done:
+                self.engine.cancel(request)
+                request.error, request.finish_reason = message, "error"
+        self._dispatch()
 
     def _step(self) -> None:
         start = time.perf_counter()

@@ -27,7 +27,7 @@ from generate.api import Generator
 from generate.engine.engine import Engine
 from generate.serving import openai_api as oa
 from generate.serving.answer import Answer, prompt_logprobs, sse
-from generate.serving.engine_loop import EngineLoop, QueueFull, Update
+from generate.serving.engine_loop import SHUTDOWN, EngineLoop, QueueFull, Stopping, TooLarge, Update
 
 log = logging.getLogger("gptgen.server")
 MAX_BODY = 4 * 2**20  # bytes of request body; a full window of token ids is far smaller
@@ -153,6 +153,17 @@ class _ClientGone(Exception):
     pass
 
 
+def _shutting_down() -> oa.APIError:
+    return oa.APIError(SHUTDOWN, status=503, type="server_error", code="shutting_down")
+
+
+def _failure(error: str) -> oa.APIError:
+    """The answer to a request the engine ended with ``error``: 503 at shutdown, else 500."""
+    if error == SHUTDOWN:
+        return _shutting_down()
+    return oa.APIError(error, status=500, type="server_error", code="generation_failed")
+
+
 def build_app(settings: Settings) -> Starlette:
     """The Starlette application; :func:`generate.tools.serve.main` runs it under uvicorn."""
     state = State(settings)
@@ -203,15 +214,26 @@ def build_app(settings: Settings) -> Starlette:
             )
         requests = job.requests(gen.tokenizer.eot_token)
         answer = Answer(settings.model_name, gen, job, requests)
-        if job.echo and job.logprobs is not None:
-            answer.prompt_logprobs = [
-                await loop.call(lambda p=p: prompt_logprobs(gen, p)) for p in job.prompts
-            ]
         try:
             queue = loop.submit(requests)
+        except TooLarge as e:
+            raise oa.APIError(str(e), status=400, param="n", code="too_many_completions") from None
         except QueueFull as e:
             raise oa.APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+        except Stopping as e:
+            raise _shutting_down() from e
         note.update(prompt=sum(len(p) for p in job.prompts), n=len(requests))
+        if job.echo and job.logprobs is not None:  # admitted: one prompt's forward between two steps
+            try:
+                answer.prompt_logprobs = []
+                for p in job.prompts:
+                    if await request.is_disconnected():
+                        note["cancelled"] = True
+                        raise oa.APIError("the client went away", status=499, code="cancelled")
+                    answer.prompt_logprobs.append(await loop.call(lambda p=p: prompt_logprobs(gen, p)))
+            except BaseException:
+                loop.cancel(requests)
+                raise
         if job.stream:
             return StreamingResponse(
                 _stream(answer, loop, queue, note),
@@ -226,7 +248,7 @@ def build_app(settings: Settings) -> Starlette:
             raise oa.APIError("the client went away", status=499, code="cancelled") from None
         failed = [u.error for u in finals if u.error]
         if failed:
-            raise oa.APIError(failed[0], status=500, type="server_error", code="generation_failed")
+            raise _failure(failed[0])
         note["completion"] = sum(len(r.token_ids) for r in requests)
         return JSONResponse(answer.whole())
 
@@ -240,8 +262,7 @@ def build_app(settings: Settings) -> Starlette:
             while finished < len(answer.requests):
                 update: Update = await queue.get()
                 if update.error:
-                    body = oa.APIError(update.error, status=500, type="server_error").body()
-                    yield sse(body)
+                    yield sse(_failure(update.error).body())
                     break
                 finished += update.finish_reason is not None
                 if update.text or update.finish_reason or (answer.job.logprobs is not None and update.tokens):

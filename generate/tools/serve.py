@@ -3,8 +3,9 @@
 It binds its socket first and says where it listens, then loads (and with ``--compile`` compiles) the model;
 ``GET /health`` answers 503 until that is done. The model loads and runs in the main thread, HTTP is served
 from another (see :mod:`generate.serving.engine_loop`). SIGINT or SIGTERM stop it cleanly: no new connections,
-running requests get ``--shutdown-timeout`` seconds to finish, then the rest are cancelled; the exit status
-is 0. Only the standard library is imported before the arguments are checked.
+new requests get 503, running ones ``--shutdown-timeout`` seconds to finish, then the rest end with an
+OpenAI-style 503 error (a stream: an error event, then ``[DONE]``); the exit status is 0. Only the standard
+library is imported before the arguments are checked.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from generate.tools.cli import (
 )
 
 PROG = "gptgen serve"
+SHUTDOWN_MARGIN = 5.0  # seconds after --shutdown-timeout for the last answers to be sent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +169,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
         log_level=args.log_level,
         access_log=False,
         lifespan="on",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # (ours ends what still runs at --shutdown-timeout; uvicorn's, later, leaves time to say so)
+        timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN,
         log_config=None,
     )
     server = uvicorn.Server(config)  # (outside the main thread it leaves signals alone)
@@ -182,6 +185,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     def stop(signum: int, frame: object) -> None:
         server.should_exit = True
         if state.loop is not None:  # loaded: the HTTP side shuts down gracefully, then closes the loop
+            state.loop.stop(args.shutdown_timeout)
             return
         raise KeyboardInterrupt  # loading or compiling: abandon it
 
