@@ -5,13 +5,19 @@ from __future__ import annotations
 import re
 
 ELIDE_LIMIT = 200  # characters a single word (a path, a key) may take in a message before its middle goes
+MESSAGE_LIMIT = 2000  # characters a whole message may take
 
 
 def elide(text: str, limit: int = ELIDE_LIMIT) -> str:
-    """``text`` with every run of non-blank characters longer than ``limit`` cut to its start and end around
-    ``...``: a path of 6,000 characters was repeated whole in one error line. Idempotent."""
+    """``text`` fit to show in a message, the one helper for every value a message repeats: every run of
+    non-blank characters longer than ``limit`` cut to its start and end around ``...`` (a path of 6,000
+    characters was repeated whole in one error line), the whole cut to :data:`MESSAGE_LIMIT` characters the
+    same way, and a lone surrogate (which UTF-8 cannot carry) written as its escape. Idempotent."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     keep = (limit - 3) // 2
-    return re.sub(rf"\S{{{limit + 1},}}", lambda m: f"{m.group()[:keep]}...{m.group()[-keep:]}", text)
+    text = re.sub(rf"\S{{{limit + 1},}}", lambda m: f"{m.group()[:keep]}...{m.group()[-keep:]}", text)
+    keep = (MESSAGE_LIMIT - 5) // 2
+    return text if len(text) <= MESSAGE_LIMIT else f"{text[:keep]} ... {text[-keep:]}"
 
 
 class CheckpointError(ValueError):

@@ -89,7 +89,7 @@ def _directory_files(directory: Path) -> list[Path]:
         try:
             data = read_small_file(index, MAX_INDEX_BYTES, "a safetensors index")
             weight_map = json.loads(data.decode("utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
         if (
             not isinstance(weight_map, dict)
@@ -107,7 +107,11 @@ def _directory_files(directory: Path) -> list[Path]:
             )  # a shard must be a plain file name in this directory, never a path elsewhere
             if f.parent != directory or not f.name.endswith(".safetensors"):
                 raise CheckpointError(f"{index} names shard {name!r}, which is not a .safetensors file here")
-            if not f.exists():
+            try:
+                present = f.exists()
+            except (OSError, ValueError):  # a name too long for the file system, or with a NUL byte
+                present = False
+            if not present:
                 raise CheckpointError(f"{index} names shard {name!r}, which is missing from {directory}")
             files.append(f)
         return files

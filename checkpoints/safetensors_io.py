@@ -74,6 +74,12 @@ def read_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(
             f"{path} is truncated: its tensors need {8 + header_len + end} bytes but the file has {size}"
         )
+    if 8 + header_len + end < size:  # (as the safetensors library refuses it: not one whole file)
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file: {size - 8 - header_len - end} bytes follow its data "
+            f"(its tensors end at byte {8 + header_len + end} of {size}); it may have been written over "
+            "another file, so write it again"
+        )
     return header
 
 

@@ -138,9 +138,9 @@ def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, cap
 
 @pytest.mark.parametrize(
     ("options", "status", "match"),
-    [(["--layer", "3"], 1, r"--layer 3 is out of range; this model has layers 0\.\.2"),
-     (["--layer", "-4"], 1, r"--layer -4 is out of range"),
-     (["--head", "4"], 1, r"--head 4 is out of range; this model has heads 0\.\.3"),
+    [(["--layer", "3"], 2, r"--layer 3 is out of range; this model has layers 0\.\.2"),
+     (["--layer", "-4"], 2, r"--layer -4 is out of range"),
+     (["--head", "4"], 2, r"--head 4 is out of range; this model has heads 0\.\.3"),
      (["--head", "1", "--mean"], 2, "give --head or --mean, not both"),
      (["--mask", "--head", "1"], 2, "--mask draws the mask alone"),
      (["--mask", "--layer", "0"], 2, "--mask draws the mask alone; leave out --layer, --head and --mean"),

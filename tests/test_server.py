@@ -361,6 +361,14 @@ def test_bad_chat_requests(server):
         assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
+def test_a_surrogate_field_name_and_a_huge_value_get_short_400_answers(server):
+    answer = _post(server, b'{"prompt": "x", "\\ud800": 1}')
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "\\ud800"
+    answer = _post(server, {"prompt": "x", "temperature": "A" * 3_000_000})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
+    assert len(answer.content) < 1000
+
+
 def test_malformed_json_a_huge_body_and_unknown_routes(server):
     assert _post(server, b'{"prompt": "x",').status_code == 400
     assert _post(server, b"[" * 100_000).status_code == 400

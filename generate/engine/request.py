@@ -13,6 +13,14 @@ from generate.engine.sampling import SamplingParams
 from generate.engine.text import TextTracker
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_seed(seed: object) -> int | None:
     """Return ``seed`` as an int (None stays None).
 
@@ -43,6 +51,9 @@ def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
             f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
             f"room for at most {window - 1} prompt tokens; shorten the prompt"
         )
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise ValueError(f"the prompt has token id {bad[0]!r}, which is not an integer; token ids are ints")
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
@@ -119,6 +130,8 @@ class Request:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            if not s.isascii() and not _utf8(s):
+                raise ValueError(f"stop string {s!r} holds a lone surrogate, which no text can contain")
         top = self.top_logprobs
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 0 <= top <= 20:
             raise ValueError(f"top_logprobs must be an integer in 0..20, got {top!r}")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoints.errors import elide
 from generate.engine.request import Request, check_prompt
 from generate.engine.sampling import SamplingParams
 
@@ -74,6 +75,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        message, param = elide(message), None if param is None else elide(param, 60)  # values sent back
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 

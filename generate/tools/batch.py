@@ -13,6 +13,7 @@ row gives the same text alone, locally, or on any Ray worker (:mod:`generate.too
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ def _request(gen: Generator, row: dict[str, Any], defaults: Defaults) -> Request
 
     def value(name: str) -> Any:
         given = row.get(name)
+        if isinstance(given, float) and name in ("seed", "max_new_tokens"):  # a Parquet column with nulls
+            given = None if math.isnan(given) else int(given) if given.is_integer() else given
         return getattr(defaults, name) if given is None else given
 
     prompt = row.get("prompt")
@@ -157,6 +160,17 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
+def _json_line(value: Any) -> str:
+    """One JSON line, UTF-8 as is; escaped to ASCII where a string holds a lone surrogate (a JSON input may
+    spell one as an escape, and UTF-8 cannot carry it): the same value either way."""
+    line = json.dumps(value, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return line
+
+
 def _parquet() -> Any:
     try:
         import pyarrow.parquet as pq
@@ -180,10 +194,10 @@ class _Journal:
         self.done = self._resume(rows)
 
     def _line(self, row: dict[str, Any], result: dict[str, Any]) -> str:
-        if self.whole_rows:
-            return json.dumps(result, ensure_ascii=False)
-        record = {"input": input_key(row), **{k: result[k] for k in RESULT_FIELDS}}
-        return json.dumps(record, ensure_ascii=False)
+        record = (
+            result if self.whole_rows else {"input": input_key(row), **{k: result[k] for k in RESULT_FIELDS}}
+        )
+        return _json_line(record)
 
     def _continues(self, line: str, row: dict[str, Any]) -> bool:
         try:
@@ -221,7 +235,7 @@ class _Journal:
 
     def _begins(self, tail: str, row: dict[str, Any]) -> bool:
         """Whether ``tail`` can be the start of this row's line (cut short by a crash while writing it)."""
-        fixed = json.dumps(row if self.whole_rows else {"input": input_key(row)}, ensure_ascii=False)[:-1]
+        fixed = _json_line(row if self.whole_rows else {"input": input_key(row)})[:-1]
         return tail[: len(fixed)] == fixed[: len(tail)]
 
     def append(self, rows: list[dict[str, Any]], results: list[dict[str, Any]]) -> None:
@@ -254,7 +268,7 @@ def run_file(
     if in_fmt != out_fmt:
         raise ValueError(f"the output must be {in_fmt} like the input; give {output_path} a matching suffix")
     output = Path(output_path)
-    if output.exists() and output.resolve() == Path(input_path).resolve():
+    if output.exists() and os.path.samefile(output, input_path):  # (a link to it too, hard or symbolic)
         raise ValueError(f"the output {output_path} is the input; give another file")
     rows = read_rows(input_path)
     if not rows:

@@ -124,6 +124,8 @@ def _clear_progress() -> None:
 
 
 def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if sys.stdout is None:  # started with standard output closed (`>&-`): say so before the work
+        raise OSError("standard output is closed; redirect it to a file instead")
     check_model_options(args, parser)
     if args.batch_size < 1:
         parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -238,10 +240,10 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         tokenizer, ids = gen.tokenizer, gen.encode(text)
         n_layer, n_head = gen.model.config.n_layer, gen.model.config.n_head
         layer = 0 if args.layer is None else args.layer
-        if not -n_layer <= layer < n_layer:
-            raise ValueError(f"--layer {layer} is out of range; this model has layers 0..{n_layer - 1}")
+        if not -n_layer <= layer < n_layer:  # (options out of range: usage errors, exit 2)
+            parser.error(f"--layer {layer} is out of range; this model has layers 0..{n_layer - 1}")
         if args.head is not None and not 0 <= args.head < n_head:
-            raise ValueError(f"--head {args.head} is out of range; this model has heads 0..{n_head - 1}")
+            parser.error(f"--head {args.head} is out of range; this model has heads 0..{n_head - 1}")
         layer %= n_layer
         maps = gen.attention(text, layer=layer)  # (n_head, T, T)
         if args.head is not None:
