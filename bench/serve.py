@@ -108,7 +108,7 @@ async def level(url: str, concurrency: int, requests: list[str], max_tokens: int
     }
 
 
-def start_server(model: str, slots: int, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, slots: int, dtype: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     command = [
         sys.executable,
         "-m",
@@ -124,6 +124,7 @@ def start_server(model: str, slots: int, dtype: str) -> tuple[subprocess.Popen, 
         dtype,
         "--log-level",
         "warning",
+        *extra,
     ]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     url = re.search(r"(http://\S+)", proc.stderr.readline()).group(1)

@@ -158,7 +158,7 @@ def test_huge_finite_logits_whose_sum_overflows_are_sampled_not_refused():
     engine = Engine(make_model(config, seed=1), slots=1)
     huge = torch.zeros(config.vocab_size)
     huge[7], huge[9] = 3e38, 3.2e38
-    engine.runner.prefill = lambda prompt, slot: huge.clone()
+    engine.runner.prefill = lambda tokens, slot, start: huge.clone()
     engine.runner.decode = lambda tokens, positions: huge[None].clone()
     request = engine.add(Request([1, 2], GREEDY, 3, eos_id=None))
     for _ in engine.run():

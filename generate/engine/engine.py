@@ -1,10 +1,12 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
-Each step admits waiting requests into free slots (each prompt prefilled alone into its slot), then runs one
-decode step over every slot: each row feeds its last token at its own position. A finished request frees its
-slot at once. The decode step has one row per slot, whichever slots are busy, and reads the cache in whole
-chunks (:mod:`generate.engine.runner`), so a row's bits do not depend on the other rows: a request's tokens,
-logprobs and logits are the same whoever shares the engine, when they join or leave and how long they are.
+Each step admits waiting requests into free slots, prefills at most :data:`PREFILL_CHUNK` prompt positions
+(each prompt alone, in chunks at fixed multiples of it, so a long prompt never stalls the others' tokens for
+more than a chunk's time), then runs one decode step over every slot: each row feeds its last token at its own
+position. A finished request frees its slot at once. The decode step has one row per slot, whichever slots
+are busy, and reads the cache in whole chunks (:mod:`generate.engine.runner`), so a row's bits do not depend
+on the other rows: a request's tokens, logprobs and logits are the same whoever shares the engine, when they
+join or leave and how long they are.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def raise_errors(requests: list[Request]) -> None:
 # and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
 # first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
 VOCAB_BYTES_PER_ROW = 48
+# Prompt positions a step prefills at most (one chunk of a prompt, or several short prompts); a prompt is cut
+# into chunks at multiples of it, so its bits depend on the prompt alone.
+PREFILL_CHUNK = 32
 OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
 
 
@@ -120,6 +125,7 @@ class Engine:
         self.running: dict[int, Request] = {}  # slot -> request
         self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
         self._generators: dict[int, torch.Generator] = {}  # id(request) -> its generator, until it runs
+        self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
     @property
@@ -180,19 +186,31 @@ class Engine:
         while free and self.waiting:
             slot, request = free.pop(0), self.waiting.popleft()
             self.cache.clear(slot)
-            joining[slot] = self.running[slot] = request
+            self.running[slot], self._prefilling[slot] = request, 0
+        budget, logits = PREFILL_CHUNK, []
+        for slot, start in list(self._prefilling.items()):
+            if budget <= 0:
+                break
+            prompt = self.running[slot].prompt
+            end = min(len(prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            last = self.runner.prefill(prompt[start:end], slot, start)
+            budget -= end - start
+            self._prefilling[slot] = self.cache.lengths[slot] = end
+            if end == len(prompt):
+                del self._prefilling[slot]
+                self._start_state(slot, self.running[slot])
+                joining[slot] = self.running[slot]
+                logits.append(last)
         if joining:
-            logits = [self.runner.prefill(r.prompt, slot) for slot, r in joining.items()]
-            for slot, request in joining.items():
-                self.cache.lengths[slot] = len(request.prompt)
-                self._start_state(slot, request)
             events += self._choose(torch.stack(logits), {slot: i for i, slot in enumerate(joining)})
-        if self.running:
+        # Every slot is computed (fixed shapes); a prefilling one at the position its next chunk rewrites.
+        decoding = [slot for slot in self.running if slot not in self._prefilling]
+        if decoding:
             positions = torch.tensor(self.cache.lengths)
             logits = self.runner.decode(self._pending, positions)
-            for slot in self.running:
+            for slot in decoding:
                 self.cache.lengths[slot] += 1
-            events += self._choose(logits, {slot: slot for slot in self.running})
+            events += self._choose(logits, {slot: slot for slot in decoding})
         return events
 
     def run(self) -> Iterator[list[tuple[Request, int]]]:
@@ -267,6 +285,7 @@ class Engine:
     def _free(self, slot: int) -> None:
         request = self.running.pop(slot)
         self._state.pop(slot, None)  # (none yet where its prefill failed)
+        self._prefilling.pop(slot, None)
         self._generators.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0

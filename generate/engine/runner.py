@@ -1,11 +1,12 @@
 """The runner: turns the engine's slots into model calls, eager or compiled.
 
-Each prompt is prefilled alone, eagerly: its shapes are its own, so its logits and its keys and values do not
-depend on any other request. A decode step runs every slot at once, one token each at its own position (idle
-slots too, at position 0), and on the CPU reads the cache positions up to the furthest row's, in whole chunks
-of :data:`model.attention.CHUNK` positions; a row's attention gives the same bits over any number of chunks
-(:meth:`model.CausalAttention.decode`), and every product has the same shapes in every step, so a row's
-bits depend on that row alone. Elsewhere (CUDA) every step reads the whole cache: the same shapes always.
+Each prompt is prefilled alone, eagerly, in chunks the engine cuts at fixed positions: its shapes are its
+own, so its logits and its keys and values do not depend on any other request. A decode step runs every
+slot at once, one token each at its own position (idle slots too, at position 0), and on the CPU reads the
+cache positions up to the furthest row's, in whole chunks of :data:`model.attention.CHUNK` positions; a
+row's attention gives the same bits over any number of chunks (:meth:`model.CausalAttention.decode`), and
+every product has the same shapes in every step, so a row's bits depend on that row alone. Elsewhere
+(CUDA) every step reads the whole cache: the same shapes always.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ class Runner:
 
             self._step = compile_step(model, cache, progress)
 
-    def prefill(self, prompt: list[int], slot: int) -> torch.Tensor:
-        """Write a prompt's keys and values into ``slot`` and return the last position's logits, (V,)."""
+    def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
+        """Write a prompt's keys and values for positions ``start ..`` (``tokens``, a chunk of it) into
+        ``slot``, attending over the positions before too; return the last position's logits, (V,)."""
         device = self.model.device
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        positions = torch.arange(len(prompt), device=device)[None]
-        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=len(prompt),
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(tokens), device=device)[None]
+        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=start + len(tokens),
                             last_only=True)  # fmt: skip
         return logits[0, -1]
 

@@ -12,6 +12,8 @@ from generate.engine.request import Request
 from generate.serving import openai_api as oa
 from generate.serving.engine_loop import Update
 
+SCORE_CHUNK = 16  # prompt positions scored a call (with the head over the vocabulary: about a decode step)
+
 
 class Answer:
     """Builds one HTTP request's OpenAI objects from its engine requests."""
@@ -93,14 +95,32 @@ def sse(obj: object) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def prompt_logprobs(gen: Generator, prompt: list[int]) -> list[float | None]:
-    """Each prompt token's log-probability given the tokens before it (the first has none): one full
-    forward, the reference path."""
-    import torch
+class PromptScorer:
+    """Each prompt token's log-probability given the tokens before it (the first has none), computed
+    :data:`SCORE_CHUNK` positions a call through a KV cache of the prompt's own: the server runs one call
+    between two decode steps, so scoring a long prompt never stalls the streams for long."""
 
-    with torch.inference_mode():
-        logits = gen.model(torch.tensor([prompt], device=gen.model.device))[0, :-1].float()
-        chosen = torch.log_softmax(logits, dim=-1).gather(
-            -1, torch.tensor(prompt[1:], device=logits.device)[:, None]
-        )
-    return [None, *chosen[:, 0].tolist()]
+    def __init__(self, gen: Generator, prompt: list[int]) -> None:
+        from model import KVCache
+
+        model = gen.model
+        self.model, self.prompt, self.logprobs = model, prompt, [None]
+        self.cache = KVCache(model.config, 1, len(prompt), dtype=model.compute_dtype, device=model.device)
+
+    @property
+    def done(self) -> bool:
+        return len(self.logprobs) == len(self.prompt)
+
+    def step(self) -> None:
+        """Score the next chunk of positions."""
+        import torch
+
+        start = len(self.logprobs) - 1
+        end = min(len(self.prompt) - 1, start + SCORE_CHUNK)
+        device = self.model.device
+        with torch.inference_mode():
+            ids = torch.tensor([self.prompt[start:end]], device=device)
+            positions = torch.arange(start, end, device=device)[None]
+            logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
+            chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
+            self.logprobs += torch.log_softmax(logits, dim=-1).gather(-1, chosen)[:, 0].tolist()

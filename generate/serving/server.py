@@ -26,7 +26,7 @@ from starlette.routing import Route
 from generate.api import Generator
 from generate.engine.engine import Engine
 from generate.serving import openai_api as oa
-from generate.serving.answer import Answer, prompt_logprobs, sse
+from generate.serving.answer import Answer, PromptScorer, sse
 from generate.serving.engine_loop import SHUTDOWN, EngineLoop, QueueFull, Stopping, TooLarge, Update
 
 log = logging.getLogger("gptgen.server")
@@ -223,14 +223,16 @@ def build_app(settings: Settings) -> Starlette:
         except Stopping as e:
             raise _shutting_down() from e
         note.update(prompt=sum(len(p) for p in job.prompts), n=len(requests))
-        if job.echo and job.logprobs is not None:  # admitted: one prompt's forward between two steps
+        if job.echo and job.logprobs is not None:  # admitted: a chunk of scoring between two steps
             try:
-                answer.prompt_logprobs = []
                 for p in job.prompts:
-                    if await request.is_disconnected():
-                        note["cancelled"] = True
-                        raise oa.APIError("the client went away", status=499, code="cancelled")
-                    answer.prompt_logprobs.append(await loop.call(lambda p=p: prompt_logprobs(gen, p)))
+                    scorer = PromptScorer(gen, p)
+                    while not scorer.done:
+                        if await request.is_disconnected():
+                            note["cancelled"] = True
+                            raise oa.APIError("the client went away", status=499, code="cancelled")
+                        await loop.call(scorer.step)
+                    answer.prompt_logprobs.append(scorer.logprobs)
             except BaseException:
                 loop.cancel(requests)
                 raise
