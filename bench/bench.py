@@ -42,8 +42,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--measure",
         default="batch1,batch8,prefill",
-        help="which rows to time: batch1, batch8, prefill (HF bf16 batch 8 takes minutes a call on CPUs "
-        "without native bf16)",
+        help="which rows to time: batch1, batch8, prefill, sampled (batch 1 with the CLI's default sampling, "
+        "temperature 0.8 and top-p 0.95; HF bf16 batch 8 takes minutes a call on CPUs without native bf16)",
     )
     p.add_argument(
         "--compile",
@@ -83,9 +83,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--group-size applies to int4 and int4-body only; pass those alone in --dtypes")
     if bool(args.llama_bench) != bool(args.gguf):
         p.error("--llama-bench and --gguf go together: the binary and the GGUF files it times")
-    unknown = set(args.measure.split(",")) - {"batch1", "batch8", "prefill"}
+    unknown = set(args.measure.split(",")) - {"batch1", "batch8", "prefill", "sampled"}
     if unknown:
-        p.error(f"--measure: unknown {', '.join(sorted(unknown))}; choose from batch1, batch8, prefill")
+        p.error(
+            f"--measure: unknown {', '.join(sorted(unknown))}; choose from batch1, batch8, prefill, sampled"
+        )
     return args
 
 
@@ -118,9 +120,10 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, 
         # prompt and 8 for more); "wide": deterministic=True, 8 rows for any call.
         gen = Generator(model, compile=compiled, deterministic=kind == "wide")
 
-        def run_generate(prompts: list[list[int]], new: int, room: int) -> list[list[int]]:
+        def run_generate(prompts: list[list[int]], new: int, room: int, sampled: bool) -> list[list[int]]:
             engine = gen.engine(gen.width(len(prompts)), max(map(len, prompts)) + room)
-            rows = [engine.add(Request(p, greedy, new, eos_id=None)) for p in prompts]
+            how = SamplingParams(temperature=0.8, top_p=0.95) if sampled else greedy
+            rows = [engine.add(Request(p, how, new, seed=0, eos_id=None)) for p in prompts]
             for _ in engine.run():
                 pass
             return [r.token_ids for r in rows]
@@ -141,7 +144,7 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, 
         model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=getattr(torch, dtype_name))
         model.eval().to(device)
 
-        def run_generate(prompts: list[list[int]], new: int, room: int) -> list[list[int]]:
+        def run_generate(prompts: list[list[int]], new: int, room: int, sampled: bool) -> list[list[int]]:
             del room
             longest = max(len(p) for p in prompts)
             ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=device)
@@ -152,8 +155,9 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, 
                     attention_mask=mask,
                     max_new_tokens=new,
                     min_new_tokens=new,
-                    do_sample=False,
+                    do_sample=sampled,
                     pad_token_id=0,
+                    **({"temperature": 0.8, "top_p": 0.95, "top_k": 0} if sampled else {}),
                 )
             return out[:, longest:].tolist()
 
@@ -169,7 +173,9 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, 
         job = json.loads(line)
         t0 = time.perf_counter()
         if job["op"] == "generate":
-            tokens = run_generate(job["prompts"], job["new"], job.get("room", job["new"]))
+            tokens = run_generate(
+                job["prompts"], job["new"], job.get("room", job["new"]), job.get("sampled", False)
+            )
         elif job["op"] == "prefill":
             prefill(job["ids"])
             tokens = None
@@ -281,10 +287,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def decode_rate(worker: Worker, prompts: list[list[int]], new: int) -> float:
+def decode_rate(worker: Worker, prompts: list[list[int]], new: int, sampled: bool = False) -> float:
     """Decode tokens/s with prefill excluded: (t(new) - t(1)) over (new - 1) steps, times the batch size."""
-    full = worker.ask(op="generate", prompts=prompts, new=new)["seconds"]
-    first = worker.ask(op="generate", prompts=prompts, new=1, room=new)["seconds"]
+    full = worker.ask(op="generate", prompts=prompts, new=new, sampled=sampled)["seconds"]
+    first = worker.ask(op="generate", prompts=prompts, new=1, room=new, sampled=sampled)["seconds"]
     return len(prompts) * (new - 1) / max(full - first, 1e-9)
 
 
@@ -386,6 +392,19 @@ def run_dtype(directory: str, dtype: str, args: argparse.Namespace, compile_dir:
             rows["batch1"] = report(
                 f"[{label}] decode batch 1 ({new} new)", "tok/s", alternate(workers, batch1, rounds), True
             )
+        if "sampled" in measure:
+            rows["sampled"] = report(
+                f"[{label}] decode batch 1, t 0.8 top-p 0.95",
+                "tok/s",
+                alternate(workers, lambda w: decode_rate(w, [prompt], new, sampled=True), rounds),
+                True,
+            )
+            if "batch1" in rows:
+                print(
+                    f"[{label}] sampled / greedy at batch 1: "
+                    + ", ".join(f"{LABELS[n]} {rows['sampled'][n] / rows['batch1'][n]:.2f}" for n in workers),
+                    flush=True,
+                )
         if "batch8" in measure:
             rows["batch8"] = report(
                 f"[{label}] decode batch 8 (8..64 prompt)",

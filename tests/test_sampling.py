@@ -380,7 +380,7 @@ def test_a_rows_draws_depend_only_on_its_own_generator():
 
     alone = draws(row, 0, seeded(123))
     first = draws(torch.cat([row, others[0]]), 0, seeded(123, 7, 8))
-    middle = draws(torch.cat([others[1][:1], row, others[1][1:]]), 1, seeded(99, 123, 5))
+    middle = draws(torch.cat([others[1][:1], row, others[1][1:]]), 1, seeded(99, 123, 5, 6))
     last = draws(torch.cat([others[1], row]), 3, seeded(1, 2, 3, 123))
     assert alone == first == middle == last
     assert len(set(alone)) > 3  # really sampled, not a constant
@@ -394,3 +394,52 @@ def test_rows_with_equal_logits_and_seeds_draw_the_same_tokens():
     drawn = torch.stack([choose(batch, SamplingParams(), gens) for _ in range(30)])  # (30, 3)
     assert torch.equal(drawn[:, 0], drawn[:, 1])
     assert not torch.equal(drawn[:, 0], drawn[:, 2])
+
+
+# --- the sampled distribution is exactly the filtered softmax ------------------------------------------
+
+# Above the chi-square's 1e-6 tail for the <= 25 degrees of freedom here. The seeds are fixed, so a pass or
+# fail is the same every run; a right sampler fails it with odds below one in a million.
+CHI2_BOUND = 60.0
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize(
+    ("params", "vocab", "scale"),
+    [
+        (SamplingParams(temperature=1.0), 12, 1.0),
+        (SamplingParams(temperature=0.7, top_k=6), 12, 1.0),
+        (SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02), 16, 1.0),
+        # a large vocabulary with a small nucleus: top-p's candidate set, not a full sort
+        (SamplingParams(temperature=0.8, top_p=0.9), 50_000, 5.0),
+    ],
+    ids=repr,
+)
+def test_draws_follow_the_filtered_softmax(params, vocab, scale):
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * scale
+    allowed = sorted(allowed_set(logits, params))
+    assert 2 <= len(allowed) <= 26
+    probs = torch.softmax(logits.double()[allowed] / params.temperature, dim=0)
+    generator, n = torch.Generator().manual_seed(4), 6_000
+    tokens = torch.tensor([sample_row(logits, params, generator)[0] for _ in range(n)])
+    assert set(tokens.tolist()) <= set(allowed)
+    counts = torch.tensor([float((tokens == t).sum()) for t in allowed], dtype=torch.float64)
+    assert chi2(counts, probs) < CHI2_BOUND
+    unfiltered = torch.softmax(logits.double()[allowed], dim=0)  # the test can fail: a wrong distribution
+    assert params.temperature == 1.0 or chi2(counts, unfiltered) > CHI2_BOUND
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 12.0])  # flat (the whole vocabulary sorted) to peaked
+@pytest.mark.parametrize("top_p", [1e-300, 0.3, 0.9, 0.999])
+def test_top_p_keeps_the_full_sorts_set_over_a_large_vocabulary(scale, top_p):
+    logits = torch.randn(3, 50_257, generator=torch.Generator().manual_seed(5)) * scale
+    probs = torch.softmax(logits, dim=-1)
+    values, order = probs.sort(dim=-1, descending=True)
+    drop = (values.cumsum(-1) - values) >= top_p
+    drop[:, 0] = False
+    expected = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf")) - logits.amax(-1, True)
+    assert torch.equal(filter_logits(logits, SamplingParams(top_p=top_p)), expected)

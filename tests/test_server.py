@@ -91,7 +91,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline():
-    return generate.load("shakespeare")
+    """The offline API at the server's width, deterministic: the same bits as the server (docs/server.md)."""
+    return generate.load("shakespeare", slots=SLOTS, deterministic=True)
 
 
 def test_health_models_and_the_log(server, client):

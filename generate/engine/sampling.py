@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Powers of two below the most likely token's probability that top-p's candidate set is chosen among.
+OCTAVES = 64
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,29 +128,74 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Returns:
         (B, V) logits; at least the most likely token of each row stays finite.
     """
+    out = torch.full_like(logits, float("-inf"))
+    for row, values in enumerate(logits):
+        ids, kept = candidates(values, params)
+        out[row, ids] = kept
+    return out
+
+
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens one row may draw, (n,) ids, and their logits shifted and divided by the temperature.
+
+    Each filter works on the tokens the one before kept: top-k, then top-p over their softmax, then min-p.
+    Only the survivors are handled after a filter, so sampling costs about a greedy step's time: top-p
+    sorts a candidate set, not the vocabulary (:func:`_top_p`).
+    """
     # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf. A
     # temperature below the dtype's smallest normal number (fp32: 1.2e-38) would round to 0 and make the top
     # logit 0/0: there the limit is taken directly, the top logits (ties shared) against -inf.
-    top = logits.max(dim=-1, keepdim=True).values
+    top = logits.max()
     if params.temperature < torch.finfo(logits.dtype).tiny:
-        logits = torch.where(logits == top, 0.0, float("-inf"))
-    else:
-        logits = (logits - top) / params.temperature
-    if 0 < params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids = (logits == top).nonzero()[:, 0]
+        return ids, torch.zeros(len(ids), dtype=logits.dtype, device=logits.device)
+    scaled = (logits - top) / params.temperature
+    ids = None
+    if 0 < params.top_k < len(scaled):
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        ids = (scaled >= kth).nonzero()[:, 0]  # (ties with the k-th stay)
+    kept = scaled if ids is None else scaled[ids]
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens before it already reach top_p; the first token is always kept (a
-        # top_p below float32's smallest number rounds to 0, which the first token's 0 would reach).
-        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
-        drop_sorted[:, 0] = False
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        chosen = _top_p(torch.softmax(kept, dim=-1), params.top_p)
+        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
     if params.min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return logits
+        probs = torch.softmax(kept, dim=-1)
+        chosen = (probs >= params.min_p * probs.max()).nonzero()[:, 0]
+        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
+    if ids is None:
+        ids = torch.arange(len(scaled), device=scaled.device)
+    return ids, kept
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The positions in ``probs`` (n,) of the smallest set of most likely tokens whose sum reaches ``top_p``.
+
+    A token is dropped when the tokens before it (most likely first) already reach ``top_p``; the first is
+    always kept (a ``top_p`` below float32's smallest number rounds to 0, which the first token's 0 would
+    reach). Only a candidate set is sorted: the tokens within a power of two of the most likely one, the
+    least power at which their mass reaches ``top_p`` (one pass over the vocabulary). Every token outside
+    it would be dropped (the candidates before it reach ``top_p``), so the set is the full sort's; when the
+    sorted candidates' own sum falls short in float32, the whole vocabulary is sorted instead."""
+    octave = torch.log2(probs.max() / probs).floor().clamp(max=OCTAVES - 1).long()  # (p = 0: the last)
+    mass = torch.zeros(OCTAVES, dtype=probs.dtype, device=probs.device).scatter_add_(0, octave, probs)
+    last = min(int((mass.cumsum(0) < top_p).sum()), OCTAVES - 1)
+    candidates = (octave <= last).nonzero()[:, 0]
+    values, order = probs[candidates].sort(descending=True)
+    order, total = candidates[order], values.cumsum(0)
+    if not bool(total[-1] >= top_p) and len(order) < len(probs):  # fall short in float32: sort them all
+        values, order = probs.sort(descending=True)
+        total = values.cumsum(0)
+    kept = (total - values) < top_p
+    kept[0] = True
+    return order[kept]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One position of ``probs`` (n,) by the inverse of its cumulative distribution (summed in float64): one
+    uniform draw from ``generator``; a token of probability 0 is never drawn."""
+    cumulative = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cumulative[-1]
+    return min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
@@ -165,8 +213,11 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
     """
     if params.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(filter_logits(logits, params), dim=-1)
-    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
+    tokens = []
+    for row, generator in zip(logits, generators, strict=True):
+        ids, kept = candidates(row, params)
+        tokens.append(int(ids[_draw(torch.softmax(kept, dim=-1), generator)]))
+    return torch.tensor(tokens, device=logits.device)
 
 
 def sample_row(
