@@ -392,6 +392,7 @@ def small_server(tmp_path_factory):
     checkpoints.save(make_model(config, seed=1), path)
     # In int4 (group 64), so that a quantized model is served too.
     options = ["--max-slots", "1", "--max-queue", "1", "--api-key", "sesame", "--dtype", "int4"]
+    options += ["--header-timeout", "1"]
     s = Server("-c", str(path), *options, "--group-size", "64")
     s.wait_ready()
     s.checkpoint = path
@@ -472,6 +473,30 @@ def test_running_out_of_memory_fails_the_requests_plainly_and_the_server_goes_on
     finally:
         loop.close()
         thread.join(30)
+
+
+def test_a_connection_trickling_its_headers_is_closed_at_the_header_timeout(small_server):
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(small_server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        start = time.monotonic()
+        closed = False
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" * 10:  # one byte every 0.1 s
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            if time.monotonic() - start > 3:
+                break
+        if not closed:
+            sock.settimeout(3)
+            closed = sock.recv(1024) == b""
+    assert closed and time.monotonic() - start < 4
+    assert httpx.get(small_server.url + "/health").status_code == 200  # others are served as before
 
 
 def test_too_many_completions_for_the_queue_get_400_at_once(small_server):

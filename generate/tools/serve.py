@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds running requests get to finish on SIGINT/SIGTERM (default 10)",
     )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection has to send a request's headers before it is closed (default 10)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -83,6 +89,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-slots must be in 1..4096, got {args.max_slots}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0.1 <= args.header_timeout <= 3600:
+        parser.error(f"--header-timeout must be in 0.1..3600 seconds, got {args.header_timeout}")
     if not 0 <= args.shutdown_timeout <= 3600:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -158,6 +166,49 @@ def main(argv: list[str] | None = None) -> int:
     return _serve(args, sock, name, uvicorn)
 
 
+def _header_deadline_protocol(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol with a deadline for headers: a connection that has not sent a whole
+    request line and headers ``seconds`` after it opened, or after its last answer, is closed (a client
+    trickling bytes would otherwise hold a connection open for good)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _deadline: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a whole request arrived
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
 def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: Any) -> int:
     """HTTP in a thread, the model in this one (see :mod:`generate.serving.engine_loop` for why)."""
     from generate.serving.server import Settings, build_app
@@ -172,6 +223,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
         # (ours ends what still runs at --shutdown-timeout; uvicorn's, later, leaves time to say so)
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN,
         log_config=None,
+        http=_header_deadline_protocol(args.header_timeout),
     )
     server = uvicorn.Server(config)  # (outside the main thread it leaves signals alone)
 
