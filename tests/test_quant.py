@@ -77,3 +77,22 @@ def test_int8_load_quantizing_each_layer_as_read_equals_quantizing_after(
     assert streamed.state_dict().keys() == expected.keys()
     for name, tensor in streamed.state_dict().items():
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 40])  # the int8 kernel below DEQUANT_ROWS, bf16 from it on
+def test_int8_products_of_few_and_many_rows_equal_the_dequantized_product(rows, monkeypatch):
+    import model.quant as quant
+
+    monkeypatch.setattr(quant, "ROWS_PER_PASS", 48)  # several blocks of output rows, the last one short
+    torch.manual_seed(rows)
+    layer = Int8Linear(torch.nn.Linear(64, 200))
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    reference = x.float() @ (layer.q.float() * layer.scale.float()[:, None]).T + layer.bias.float()
+    got = layer(x).float()
+    # bf16 output: within a few ulps of the largest value (2**-8 relative each)
+    assert (got - reference).abs().max().item() <= 4 * 2**-8 * reference.abs().max().item()
+    path = "_weight_int8pack_mm"
+    called = []
+    monkeypatch.setattr(torch.ops.aten, path, lambda *a: called.append(1) or torch.zeros(rows, 200))
+    layer(x)
+    assert bool(called) == (rows < quant.DEQUANT_ROWS)
