@@ -10,6 +10,7 @@ import torch
 
 # Powers of two below the most likely token's probability that top-p's candidate set is chosen among.
 OCTAVES = 64
+LOG2_E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         ids = (scaled >= kth).nonzero()[:, 0]  # (ties with the k-th stay)
     kept = scaled if ids is None else scaled[ids]
     if params.top_p < 1.0:
-        chosen = _top_p(torch.softmax(kept, dim=-1), params.top_p)
+        chosen = _top_p(kept, params.top_p)
         ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
     if params.min_p > 0.0:
         probs = torch.softmax(kept, dim=-1)
@@ -167,8 +168,9 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     return ids, kept
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The positions in ``probs`` (n,) of the smallest set of most likely tokens whose sum reaches ``top_p``.
+def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The positions in ``scaled`` (n,) logits (the top one 0) of the smallest set of most likely tokens whose
+    probability sum reaches ``top_p``.
 
     A token is dropped when the tokens before it (most likely first) already reach ``top_p``; the first is
     always kept (a ``top_p`` below float32's smallest number rounds to 0, which the first token's 0 would
@@ -176,7 +178,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     least power at which their mass reaches ``top_p`` (one pass over the vocabulary). Every token outside
     it would be dropped (the candidates before it reach ``top_p``), so the set is the full sort's; when the
     sorted candidates' own sum falls short in float32, the whole vocabulary is sorted instead."""
-    octave = torch.log2(probs.max() / probs).floor().clamp(max=OCTAVES - 1).long()  # (p = 0: the last)
+    probs = torch.softmax(scaled, dim=-1)
+    octave = (scaled * -LOG2_E).floor_().clamp_(max=OCTAVES - 1).long()  # log2(top / p); -inf: the last
     mass = torch.zeros(OCTAVES, dtype=probs.dtype, device=probs.device).scatter_add_(0, octave, probs)
     last = min(int((mass.cumsum(0) < top_p).sum()), OCTAVES - 1)
     candidates = (octave <= last).nonzero()[:, 0]
