@@ -221,9 +221,10 @@ class Generator:
                 engine.add(r)
         try:
             while True:
-                finished = all(r.done for r in requests)  # (other calls' steps may have advanced them)
-                for row, r in enumerate(requests):
-                    piece = r.text.take(final=r.done)
+                with self._lock:  # (another call's step may be writing this text now)
+                    finished = all(r.done for r in requests)
+                    pieces = [(row, r.text.take(final=r.done)) for row, r in enumerate(requests)]
+                for row, piece in pieces:
                     if piece:
                         yield row, piece
                 raise_errors(requests)

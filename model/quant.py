@@ -4,8 +4,9 @@ A decode step's time is the time to read the weights; int8 halves the bytes of b
 product of a few rows runs in ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights and scales
 directly; from :data:`DEQUANT_ROWS` rows (a prompt), a kernel that works row by row is the slower way, so the
 weights are turned into bf16 a block of :data:`ROWS_PER_PASS` output rows at a time (int8 is exact in bf16)
-for the bf16 matrix product, and the scales applied to its output: 1.6-4x faster on 32-512 rows (AMD Zen 4),
-never a second whole copy of the weights. The rule is by shape, so a product's bits follow from its shapes.
+for the bf16 matrix product, and the scales applied to its bf16 output (one rounding more than the kernel):
+1.6-4x faster on 32-512 rows (AMD Zen 4), never a second whole copy of the weights. The rule is by shape, so
+a product's bits follow from its shapes.
 """
 
 from __future__ import annotations

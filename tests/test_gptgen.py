@@ -114,7 +114,7 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
     [
         (["--port", "70000"], "--port must be in 0..65535, got 70000"),
         (["--max-slots", "0"], "--max-slots must be in 1..4096, got 0"),
-        (["--max-queue", "-1"], "--max-queue must be >= 0, got -1"),
+        (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )

@@ -365,6 +365,8 @@ def test_bad_chat_requests(server):
 def test_a_surrogate_field_name_and_a_huge_value_get_short_400_answers(server):
     answer = _post(server, b'{"prompt": "x", "\\ud800": 1}')
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "\\ud800"
+    answer = _post(server, b'{"prompt": "x", "stop": "a\\ud800"}')  # a stop string no text can hold
+    assert answer.status_code == 400 and "lone surrogate" in answer.json()["error"]["message"]
     answer = _post(server, {"prompt": "x", "temperature": "A" * 3_000_000})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
     assert len(answer.content) < 1000

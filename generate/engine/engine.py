@@ -189,10 +189,10 @@ class Engine:
             self.running[slot], self._prefilling[slot] = request, 0
         budget, logits = PREFILL_CHUNK, []
         for slot, start in list(self._prefilling.items()):
-            if budget <= 0:
-                break
             prompt = self.running[slot].prompt
             end = min(len(prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            if end - start > budget:  # (the step's first chunk always fits)
+                break
             last = self.runner.prefill(prompt[start:end], slot, start)
             budget -= end - start
             self._prefilling[slot] = self.cache.lengths[slot] = end
@@ -263,6 +263,8 @@ class Engine:
                     request.top_list.append(top)
                 request.record(token, self.cache.max_len)
             except Exception as e:  # this request's alone (a tokenizer, a sampling bug): the others go on
+                if out_of_memory(e, "") is not None:
+                    raise  # (the allocator's: step() says it plainly)
                 self._fail(slot, f"its next token could not be chosen: {type(e).__name__}: {e}")
                 continue
             events.append((request, token))

@@ -101,11 +101,8 @@ class PromptScorer:
     between two decode steps, so scoring a long prompt never stalls the streams for long."""
 
     def __init__(self, gen: Generator, prompt: list[int]) -> None:
-        from model import KVCache
-
-        model = gen.model
-        self.model, self.prompt, self.logprobs = model, prompt, [None]
-        self.cache = KVCache(model.config, 1, len(prompt), dtype=model.compute_dtype, device=model.device)
+        self.model, self.prompt, self.logprobs = gen.model, prompt, [None]
+        self.cache = None  # made by the first step, in the engine's thread; dropped by the last
 
     @property
     def done(self) -> bool:
@@ -115,12 +112,18 @@ class PromptScorer:
         """Score the next chunk of positions."""
         import torch
 
+        from model import KVCache
+
         start = len(self.logprobs) - 1
         end = min(len(self.prompt) - 1, start + SCORE_CHUNK)
-        device = self.model.device
+        model, device = self.model, self.model.device
+        if self.cache is None:
+            self.cache = KVCache(model.config, 1, len(self.prompt), dtype=model.compute_dtype, device=device)
         with torch.inference_mode():
             ids = torch.tensor([self.prompt[start:end]], device=device)
             positions = torch.arange(start, end, device=device)[None]
             logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
             chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
             self.logprobs += torch.log_softmax(logits, dim=-1).gather(-1, chosen)[:, 0].tolist()
+        if self.done:
+            self.cache = None

@@ -126,6 +126,8 @@ class EngineLoop:
         """
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        if self._closed or self._deadline is not None:
+            raise Stopping(SHUTDOWN)
         if len(requests) > self.max_queue:
             raise TooLarge(
                 f"the request asks for {len(requests)} completions (prompts x n) but the server queues at "

@@ -52,6 +52,7 @@ class State:
     gen: Generator | None = None
     loop: EngineLoop | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    scoring: asyncio.Semaphore | None = None  # prompts scored for echo at once (each holds a KV cache)
 
     def attach(self, gen: Generator, engine: Engine) -> EngineLoop:
         """Serve ``gen`` through ``engine`` from now on; returns the loop for the engine's thread to run."""
@@ -212,7 +213,10 @@ def build_app(settings: Settings) -> Starlette:
             job = oa.parse_completion(
                 body, encode=_encoder(gen), decode=gen.tokenizer.decode, vocab=_vocab(gen), window=window
             )
-        requests = job.requests(gen.tokenizer.eot_token)
+        try:
+            requests = job.requests(gen.tokenizer.eot_token)
+        except ValueError as e:  # (a stop string no text can hold, say)
+            raise oa.APIError(str(e), code="invalid_value") from None
         answer = Answer(settings.model_name, gen, job, requests)
         try:
             queue = loop.submit(requests)
@@ -224,14 +228,16 @@ def build_app(settings: Settings) -> Starlette:
             raise _shutting_down() from e
         note.update(prompt=sum(len(p) for p in job.prompts), n=len(requests))
         if job.echo and job.logprobs is not None:  # admitted: a chunk of scoring between two steps
+            state.scoring = state.scoring or asyncio.Semaphore(loop.engine.slots)
             try:
                 for p in job.prompts:
                     scorer = PromptScorer(gen, p)
-                    while not scorer.done:
-                        if await request.is_disconnected():
-                            note["cancelled"] = True
-                            raise oa.APIError("the client went away", status=499, code="cancelled")
-                        await loop.call(scorer.step)
+                    async with state.scoring:
+                        while not scorer.done:
+                            if await request.is_disconnected():
+                                note["cancelled"] = True
+                                raise oa.APIError("the client went away", status=499, code="cancelled")
+                            await loop.call(scorer.step)
                     answer.prompt_logprobs.append(scorer.logprobs)
             except BaseException:
                 loop.cancel(requests)

@@ -87,8 +87,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if not 1 <= args.max_slots <= 4096:
         parser.error(f"--max-slots must be in 1..4096, got {args.max_slots}")
-    if args.max_queue < 0:
-        parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_queue < 1:
+        parser.error(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0.1 <= args.header_timeout <= 3600:
         parser.error(f"--header-timeout must be in 0.1..3600 seconds, got {args.header_timeout}")
     if not 0 <= args.shutdown_timeout <= 3600:
