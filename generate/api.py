@@ -63,6 +63,9 @@ class Generator:
             more prompts, two compiled steps at most); its logits may then differ in the last bits from the
             same prompt's in a list, and a near-tie can pick another token.
         progress: called with a line of text while a decode step compiles.
+
+    Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
+    one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.
     """
 
     def __init__(
@@ -82,7 +85,8 @@ class Generator:
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
         self.progress = progress
         self._engine: Engine | None = None
-        self._lock = threading.RLock()  # one engine step at a time: calls may overlap (threads, streams)
+        # Held while a call adds to, steps or reads the kept engine: calls may overlap (threads, streams).
+        self.lock = threading.RLock()
 
     def width(self, count: int) -> int:
         """The engine width a call of ``count`` prompts runs in: :attr:`slots` when deterministic; else as
@@ -215,13 +219,13 @@ class Generator:
                                  max_new_tokens=max_new_tokens, eos_id=checkpoints.EOT_ID, stop=stop,
                                  logprobs=logprobs)  # fmt: skip
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
-        with self._lock:
+        with self.lock:
             engine = self.engine(self.width(len(ids)), longest)
             for r in requests:
                 engine.add(r)
         try:
             while True:
-                with self._lock:  # (another call's step may be writing this text now)
+                with self.lock:  # (another call's step may be writing this text now)
                     finished = all(r.done for r in requests)
                     pieces = [(row, r.text.take(final=r.done)) for row, r in enumerate(requests)]
                 for row, piece in pieces:
@@ -230,11 +234,11 @@ class Generator:
                 raise_errors(requests)
                 if finished:
                     break
-                with self._lock:
+                with self.lock:
                     if not all(r.done for r in requests):
                         engine.step()
         finally:
-            with self._lock:
+            with self.lock:
                 for r in requests:  # an abandoned stream (or an error) leaves no request in the engine
                     if not r.done:
                         engine.cancel(r)

@@ -110,16 +110,17 @@ def run_rows(
     if requests:
         window = gen.model.config.n_positions
         longest = min(window, max(len(r.prompt) + max(1, r.max_new_tokens) for r in requests.values()))
-        engine = gen.engine(slots, longest)  # (one width for every part of a job: the same bits)
-        try:  # (a row whose logits are not finite, or whose sampling fails, fails alone)
-            for r in requests.values():
-                engine.add(r)
-            while engine.has_work:
-                engine.step()
-        finally:
-            for r in requests.values():
-                if not r.done:
-                    engine.cancel(r)
+        with gen.lock:  # (the Generator's engine: no other call steps it meanwhile)
+            engine = gen.engine(slots, longest)  # (one width for every part of a job: the same bits)
+            try:  # (a row whose logits are not finite, or whose sampling fails, fails alone)
+                for r in requests.values():
+                    engine.add(r)
+                while not all(r.done for r in requests.values()):
+                    engine.step()
+            finally:
+                for r in requests.values():
+                    if not r.done:
+                        engine.cancel(r)
         for i, r in requests.items():
             text = r.text.text if r.text is not None else ""
             results[i] = {**rows[i], "text": None if r.error else text, "finish_reason": r.finish_reason,
