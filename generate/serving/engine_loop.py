@@ -198,6 +198,11 @@ class EngineLoop:
             if self.engine.has_work:
                 self._step()
 
+    @property
+    def ending(self) -> bool:
+        """Whether the shutdown's deadline has passed: what still runs is being ended."""
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
     def _past_deadline(self) -> bool:
         return (
             self._deadline is not None

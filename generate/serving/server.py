@@ -234,6 +234,8 @@ def build_app(settings: Settings) -> Starlette:
                     scorer = PromptScorer(gen, p)
                     async with state.scoring:
                         while not scorer.done:
+                            if loop.ending:
+                                raise _shutting_down()
                             if await request.is_disconnected():
                                 note["cancelled"] = True
                                 raise oa.APIError("the client went away", status=499, code="cancelled")
