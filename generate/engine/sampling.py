@@ -132,12 +132,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     out = torch.full_like(logits, float("-inf"))
     for row, values in enumerate(logits):
         ids, kept = candidates(values, params)
-        out[row, ids] = kept
+        out[row, slice(None) if ids is None else ids] = kept
     return out
 
 
-def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens one row may draw, (n,) ids, and their logits shifted and divided by the temperature.
+def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens one row may draw, (n,) ids (None: every token), and their logits shifted and divided by
+    the temperature.
 
     Each filter works on the tokens the one before kept: top-k, then top-p over their softmax, then min-p.
     Only the survivors are handled after a filter, so sampling costs about a greedy step's time: top-p
@@ -163,8 +164,6 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         probs = torch.softmax(kept, dim=-1)
         chosen = (probs >= params.min_p * probs.max()).nonzero()[:, 0]
         ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
-    if ids is None:
-        ids = torch.arange(len(scaled), device=scaled.device)
     return ids, kept
 
 
@@ -219,7 +218,8 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
     tokens = []
     for row, generator in zip(logits, generators, strict=True):
         ids, kept = candidates(row, params)
-        tokens.append(int(ids[_draw(torch.softmax(kept, dim=-1), generator)]))
+        drawn = _draw(torch.softmax(kept, dim=-1), generator)
+        tokens.append(drawn if ids is None else int(ids[drawn]))
     return torch.tensor(tokens, device=logits.device)
 
 

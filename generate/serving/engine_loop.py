@@ -126,16 +126,14 @@ class EngineLoop:
         """
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        if self._closed or self._deadline is not None:
-            raise Stopping(SHUTDOWN)
-        if len(requests) > self.max_queue:
-            raise TooLarge(
-                f"the request asks for {len(requests)} completions (prompts x n) but the server queues at "
-                f"most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
-            )
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise Stopping(SHUTDOWN)
+            if len(requests) > self.max_queue:
+                raise TooLarge(
+                    f"the request asks for {len(requests)} completions (prompts x n) but the server queues "
+                    f"at most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
+                )
             if self.queued + len(requests) > self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
@@ -204,11 +202,7 @@ class EngineLoop:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
     def _past_deadline(self) -> bool:
-        return (
-            self._deadline is not None
-            and time.monotonic() >= self._deadline
-            and bool(self._incoming or self._active)
-        )
+        return self.ending and bool(self._incoming or self._active)
 
     def _end_all(self, message: str) -> None:
         """End every queued and running request with ``message`` (their clients are told)."""
