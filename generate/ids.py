@@ -39,8 +39,8 @@ def generate_ids(
         prompts: non-empty token id lists of any lengths.
         max_new_tokens: the most tokens per prompt.
         sampling: how tokens are chosen (default: ``SamplingParams()``, temperature 1).
-        seed: one seed for every prompt (each draws from its own generator seeded with it, so its output does
-            not depend on the others), a sequence of per-prompt seeds, or None.
+        seed: one seed for every prompt (a prompt's draws are a function of the seed and each token's
+            position, so its output does not depend on the others), a sequence of per-prompt seeds, or None.
         eos_id: the end-of-text id that ends a prompt's output (None: never).
         logprobs: also return each chosen token's log-probability.
         slots: how many prompts run at once (default all of them).

@@ -20,7 +20,7 @@ import torch
 from generate.engine.memory import available_memory, out_of_memory, said_plainly
 from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
-from generate.engine.sampling import sample_row
+from generate.engine.sampling import sample_row, uniform
 from model import GPT, GPTConfig, KVCache
 from model.attention import CHUNK
 
@@ -123,8 +123,8 @@ class Engine:
             self.runner = Runner(model, self.cache, compile=compile, progress=progress)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        self._state: dict[int, tuple[torch.Generator, torch.Tensor | None, torch.Tensor | None]] = {}
-        self._generators: dict[int, torch.Generator] = {}  # id(request) -> its generator, until it runs
+        self._state: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # seed, penalties
+        self._seeds: dict[int, int] = {}  # id(request) -> its seed, until it runs
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
@@ -141,10 +141,10 @@ class Engine:
     def add(self, request: Request) -> Request:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
-        # Results reset and the seeded generator made once, here (refuses stop strings without a tokenizer).
-        self._generators[id(request)] = request.start(self.model.device, self.token_bytes)
+        # Results reset and the seed fixed once, here (refuses stop strings without a tokenizer).
+        self._seeds[id(request)] = request.start(self.token_bytes)
         if request.max_new_tokens == 0:
-            del self._generators[id(request)]
+            del self._seeds[id(request)]
             request.finish("length")
         else:
             self.waiting.append(request)
@@ -154,7 +154,7 @@ class Engine:
         """Stop a request wherever it is (waiting or running) and free its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
-            self._generators.pop(id(request), None)
+            self._seeds.pop(id(request), None)
         for slot, r in list(self.running.items()):
             if r is request:
                 self._free(slot)
@@ -219,7 +219,7 @@ class Engine:
             yield self.step()
 
     def _start_state(self, slot: int, request: Request) -> None:
-        generator = self._generators.pop(id(request))
+        seed = self._seeds.pop(id(request))
         seen = counts = None
         if request.sampling.penalized:
             device = self.model.device  # (where the logits are)
@@ -227,7 +227,7 @@ class Engine:
             prompt = torch.tensor(request.prompt, device=device)
             seen[prompt[prompt < self.vocab]] = True
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=device)
-        self._state[slot] = (generator, seen, counts)
+        self._state[slot] = (seed, seen, counts)
 
     def _choose(self, logits: torch.Tensor, rows: dict[int, int]) -> list[tuple[Request, int]]:
         """Choose the next token of every slot in ``rows`` (slot -> its row of ``logits``, (N, V))."""
@@ -251,10 +251,11 @@ class Engine:
                 self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
                            "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
                 continue
-            generator, seen, counts = self._state[slot]
+            seed, seen, counts = self._state[slot]
             chosen = argmax[i] if slot in plain else None
+            u = uniform(seed, len(request.prompt) + len(request.token_ids))
             try:
-                token, logprob, top = sample_row(row, request.sampling, generator, seen, counts,
+                token, logprob, top = sample_row(row, request.sampling, u, seen, counts,
                                                  token=chosen, logprobs=request.logprobs,
                                                  top=request.top_logprobs)  # fmt: skip
                 if request.logprobs:
@@ -288,6 +289,6 @@ class Engine:
         request = self.running.pop(slot)
         self._state.pop(slot, None)  # (none yet where its prefill failed)
         self._prefilling.pop(slot, None)
-        self._generators.pop(id(request), None)
+        self._seeds.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numbers
 import operator
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from generate.engine.sampling import SamplingParams
 from generate.engine.text import TextTracker
@@ -98,8 +97,9 @@ class Request:
         prompt: token ids, non-empty, shorter than the model's window.
         sampling: how tokens are chosen (temperature, top-k/p, min-p, penalties).
         max_new_tokens: the most tokens to generate; the end of the model's window also ends a request.
-        seed: seeds this request's own generator (None: nondeterministic), so its draws do not depend on
-            what else runs.
+        seed: the seed of this request's draws (None: a random one each run); its token at position ``p`` is
+            drawn with :func:`generate.engine.sampling.uniform` of the seed and ``p``, so it does not depend
+            on what else runs.
         eos_id: the token that ends the request (None: never ends early).
         stop: strings that end the request when its text contains one (needs the engine's tokenizer).
         logprobs: record each chosen token's log-probability under the model's own distribution.
@@ -141,20 +141,15 @@ class Request:
         """Whether the request has finished."""
         return self.finish_reason is not None
 
-    def start(self, device: torch.device, token_bytes: Callable[[int], bytes] | None) -> torch.Generator:
-        """Reset the results (a request can be run again) and return its seeded generator."""
+    def start(self, token_bytes: Callable[[int], bytes] | None) -> int:
+        """Reset the results (a request can be run again) and return the seed of its draws."""
         self.token_ids, self.logprobs_list, self.top_list, self.finish_reason = [], [], [], None
         self.error = None
         if token_bytes is not None:
             self.text = TextTracker(token_bytes, self.stop)
         elif self.stop:
             raise ValueError("stop strings need the engine to have a tokenizer; pass token_bytes=")
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
+        return secrets.randbits(64) if self.seed is None else self.seed
 
     def record(self, token: int, window: int) -> None:
         """Append a chosen token and decide whether the request is finished (EOS, stop string, budget,

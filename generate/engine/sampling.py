@@ -1,4 +1,10 @@
-"""Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice."""
+"""Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice.
+
+A sampled token is a fixed function of the row's logits, its request's seed and the token's position: the
+inverse of the filtered distribution's cumulative sum at one uniform number, :func:`uniform` of the seed and
+the position. Nothing else is drawn and no generator carries state from one token to the next, so a token
+checked later (speculative decoding's verification) is chosen exactly as it would have been in its own step.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,21 @@ import torch
 # Powers of two below the most likely token's probability that top-p's candidate set is chosen among.
 OCTAVES = 64
 LOG2_E = 1.4426950408889634
+MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that spreads every input bit over the output."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) a request with ``seed`` samples its token at ``position`` with: 53 bits
+    of a counter-based hash of the two (splitmix64 over the seed, then over the position added to it)."""
+    key = _mix64((seed + 0x9E3779B97F4A7C15) & MASK64)
+    return (_mix64((key + (position + 1) * 0x9E3779B97F4A7C15) & MASK64) >> 11) * 2.0**-53
 
 
 @dataclass(frozen=True)
@@ -192,23 +213,22 @@ def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     return order[kept]
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One position of ``probs`` (n,) by the inverse of its cumulative distribution (summed in float64): one
-    uniform draw from ``generator``; a token of probability 0 is never drawn."""
+def _draw(probs: torch.Tensor, u: float) -> int:
+    """The position of ``probs`` (n,) where its cumulative distribution (summed in float64) passes ``u``
+    (in [0, 1)) of its total; a token of probability 0 is never drawn."""
     cumulative = probs.double().cumsum(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cumulative[-1]
-    return min(int(torch.searchsorted(cumulative, u, right=True)), len(probs) - 1)
+    point = torch.tensor(u, dtype=torch.float64, device=probs.device) * cumulative[-1]
+    return min(int(torch.searchsorted(cumulative, point, right=True)), len(probs) - 1)
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
-    """Pick one token per row: argmax when greedy, else a draw from each row's own generator.
-
-    A row's draw uses only its own generator, so a seeded row picks the same tokens alone or in a batch.
+def choose(logits: torch.Tensor, params: SamplingParams, uniforms: list[float]) -> torch.Tensor:
+    """Pick one token per row: argmax when greedy, else the inverse of each row's filtered distribution at
+    its own uniform number (:func:`uniform` of its seed and position).
 
     Args:
         logits: (B, V) processed logits (penalties applied; temperature and filters not yet).
         params: the sampling parameters.
-        generators: one ``torch.Generator`` per row (unused when greedy).
+        uniforms: one number in [0, 1) per row (unused when greedy).
 
     Returns:
         (B,) int64 token ids.
@@ -216,9 +236,9 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
     if params.greedy:
         return logits.argmax(dim=-1)
     tokens = []
-    for row, generator in zip(logits, generators, strict=True):
+    for row, u in zip(logits, uniforms, strict=True):
         ids, kept = candidates(row, params)
-        drawn = _draw(torch.softmax(kept, dim=-1), generator)
+        drawn = _draw(torch.softmax(kept, dim=-1), u)
         tokens.append(drawn if ids is None else int(ids[drawn]))
     return torch.tensor(tokens, device=logits.device)
 
@@ -226,7 +246,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, generators: list[torch.
 def sample_row(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
+    u: float,
     seen: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     *,
@@ -239,7 +259,7 @@ def sample_row(
     Args:
         logits: (V,) float logits of one row.
         params: the row's sampling parameters.
-        generator: the row's own generator (unused when greedy).
+        u: the row's uniform number for this token (:func:`uniform`; unused when greedy).
         seen, counts: (V,) the row's penalty state (tokens in prompt or output; output counts), updated in
             place with the chosen token; None when no penalty is active.
         logprobs: also return the chosen token's log-probability under the model's own distribution.
@@ -252,7 +272,7 @@ def sample_row(
         row = logits[None]  # (1, V): the batch functions above, on one row
         if params.penalized and seen is not None and counts is not None:
             row = apply_penalties(row, seen[None], counts[None], params)
-        token = int(choose(row, params, [generator])[0])
+        token = int(choose(row, params, [u])[0])
     if seen is not None and counts is not None:
         seen[token] = True
         counts[token] += 1
