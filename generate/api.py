@@ -16,6 +16,7 @@ from generate.engine.engine import Engine, raise_errors
 from generate.engine.memory import said_plainly
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
+from generate.engine.speculate import make_speculator
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
 from model import GPT, GPTConfig
@@ -63,6 +64,9 @@ class Generator:
             more prompts, two compiled steps at most); its logits may then differ in the last bits from the
             same prompt's in a list, and a near-tie can pick another token.
         progress: called with a line of text while a decode step compiles.
+        draft: speculative decoding (:mod:`generate.engine.speculate`): ``"ngram"`` (prompt lookup) or a
+            draft model sharing the tokenizer; the output is the same as with no proposals in the same
+            arrangement. Eager only.
 
     Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
     one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.
@@ -77,13 +81,22 @@ class Generator:
         slots: int = DEFAULT_SLOTS,
         deterministic: bool = False,
         progress: Callable[[str], None] | None = None,
+        draft: GPT | str | None = None,
     ) -> None:
+        if draft is not None and compile:
+            raise ValueError(
+                "speculative decoding (draft=) runs eager for now; drop compile=True or the draft"
+            )
+        if isinstance(draft, str) and draft != "ngram":
+            raise ValueError(
+                f"draft={draft!r}: give 'ngram' or a draft model (generate.load(..., draft=path))"
+            )
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
-        self.progress = progress
+        self.progress, self.draft = progress, draft
         self._engine: Engine | None = None
         # Held while a call adds to, steps or reads the kept engine: calls may overlap (threads, streams).
         self.lock = threading.RLock()
@@ -198,9 +211,10 @@ class Generator:
         return self._engine
 
     def _make_engine(self, slots: int, max_len: int) -> Engine:
+        speculate = None if self.draft is None else make_speculator(self.draft, slots)
         return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,
                       token_bytes=self.tokenizer.decode_single_token_bytes,
-                      vocab_limit=self.tokenizer.n_vocab)  # fmt: skip
+                      vocab_limit=self.tokenizer.n_vocab, speculate=speculate)  # fmt: skip
 
     def _run(
         self, ids: Sequence[list[int]], options: dict, seed: int | Sequence[int | None] | None
@@ -349,6 +363,7 @@ def load(
     slots: int = DEFAULT_SLOTS,
     deterministic: bool = False,
     progress: Callable[[str], None] | None = None,
+    draft: str | os.PathLike[str] | None = None,
 ) -> Generator:
     """Load a checkpoint (see :func:`checkpoints.load`) and the tokenizer into a :class:`Generator`.
 
@@ -365,10 +380,15 @@ def load(
         slots: how many prompts run at once (see :class:`Generator`).
         deterministic: the same bits alone or in a list (see :class:`Generator`).
         progress: called with a line of text while a decode step compiles.
+        draft: speculative decoding: ``"ngram"`` (prompt lookup) or a draft checkpoint sharing the
+            tokenizer, loaded like ``source`` (same device and dtype); see :class:`Generator`.
 
     Example:
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
     model = checkpoints.load(source, config=config, device=device, dtype=dtype, group_size=group_size)
-    return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress)
+    if draft is not None and str(draft) != "ngram":
+        draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size)
+    return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
+                     draft=draft)  # fmt: skip

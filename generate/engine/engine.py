@@ -21,6 +21,7 @@ from generate.engine.memory import available_memory, out_of_memory, said_plainly
 from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
 from generate.engine.sampling import sample_row, uniform
+from generate.engine.speculate import Speculator
 from model import GPT, GPTConfig, KVCache
 from model.attention import CHUNK
 
@@ -84,6 +85,8 @@ class Engine:
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled (see :class:`generate.engine.runner.Runner`).
         progress: with ``compile``, called with a line of text as the compile goes on.
+        speculate: check proposed tokens in each step (:mod:`generate.engine.speculate`); the tokens are
+            those of this engine with no proposals.
 
     Whatever goes wrong with one request (its logits not finite, its sampling or text failing) ends that
     request alone with ``finish_reason`` ``"error"`` (its ``error`` says why); the other rows go on as if
@@ -104,6 +107,7 @@ class Engine:
         vocab_limit: int | None = None,
         compile: bool = False,
         progress: Callable[[str], None] | None = None,
+        speculate: Speculator | None = None,
     ) -> None:
         cfg = model.config
         max_len = cfg.n_positions if max_len is None else max_len
@@ -113,10 +117,12 @@ class Engine:
             raise ValueError(
                 f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
             )
+        if compile and speculate is not None:
+            raise ValueError("speculative decoding runs eager for now; drop compile or the draft")
         if compile:  # one compiled step serves every length: its cache holds the whole window
             max_len = cfg.n_positions
         _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
-        self.model, self.token_bytes = model, token_bytes
+        self.model, self.token_bytes, self.speculator = model, token_bytes, speculate
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
             self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
@@ -205,12 +211,31 @@ class Engine:
             events += self._choose(torch.stack(logits), {slot: i for i, slot in enumerate(joining)})
         # Every slot is computed (fixed shapes); a prefilling one at the position its next chunk rewrites.
         decoding = [slot for slot in self.running if slot not in self._prefilling]
-        if decoding:
+        if decoding and self.speculator is not None:
+            events += self._verify(decoding)
+        elif decoding:
             positions = torch.tensor(self.cache.lengths)
             logits = self.runner.decode(self._pending, positions)
             for slot in decoding:
                 self.cache.lengths[slot] += 1
             events += self._choose(logits, {slot: slot for slot in decoding})
+        return events
+
+    def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
+        """A speculating step: every slot's pending token and proposals, (slots, 1 + lookahead), over the
+        whole window; each decoding slot takes tokens while they equal its proposals (see
+        :mod:`generate.engine.speculate`)."""
+        spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
+        tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
+                                                   self.cache.max_len)  # fmt: skip
+        logits = self.runner.verify(tokens, positions)  # (slots, width, V)
+        width = tokens.shape[1]
+        events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
+        for slot, request in running.items():
+            chosen = sum(1 for r, _ in events if r is request)
+            spec.record(slot, len(proposals[slot]), chosen)
+            if self.running.get(slot) is request:
+                self.cache.lengths[slot] += chosen
         return events
 
     def run(self) -> Iterator[list[tuple[Request, int]]]:
@@ -229,8 +254,11 @@ class Engine:
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=device)
         self._state[slot] = (seed, seen, counts)
 
-    def _choose(self, logits: torch.Tensor, rows: dict[int, int]) -> list[tuple[Request, int]]:
-        """Choose the next token of every slot in ``rows`` (slot -> its row of ``logits``, (N, V))."""
+    def _choose(
+        self, logits: torch.Tensor, rows: dict[int, int], proposals: dict[int, list[int]] | None = None
+    ) -> list[tuple[Request, int]]:
+        """Choose the next token of every slot in ``rows`` (slot -> its row of ``logits``, (N, V)); a slot
+        with ``proposals`` goes on to the rows after its own while each token equals the proposal."""
         events = []
         # All rows at once (idle ones too: no copy of the rows wanted): the finiteness sums, and the argmax
         # plain greedy rows take (exact either way: a sum is only a quick test; argmax has no order to differ
@@ -245,34 +273,44 @@ class Engine:
         finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
         plain = {slot for slot in rows if self._plain_greedy(slot)}
         argmax = block.argmax(-1).tolist() if plain else None
-        for slot, i in rows.items():
-            request, row = self.running[slot], block[i]
-            if not finite[i] and not torch.isfinite(row).all():
-                self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
-                           "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
-                continue
-            seed, seen, counts = self._state[slot]
-            chosen = argmax[i] if slot in plain else None
-            u = uniform(seed, len(request.prompt) + len(request.token_ids))
-            try:
-                token, logprob, top = sample_row(row, request.sampling, u, seen, counts,
-                                                 token=chosen, logprobs=request.logprobs,
-                                                 top=request.top_logprobs)  # fmt: skip
-                if request.logprobs:
-                    request.logprobs_list.append(logprob)
-                if top is not None:
-                    request.top_list.append(top)
-                request.record(token, self.cache.max_len)
-            except Exception as e:  # this request's alone (a tokenizer, a sampling bug): the others go on
-                if out_of_memory(e, "") is not None:
-                    raise  # (the allocator's: step() says it plainly)
-                self._fail(slot, f"its next token could not be chosen: {type(e).__name__}: {e}")
-                continue
-            events.append((request, token))
-            self._pending[slot] = token
-            if request.done:
-                self._free(slot)
+        for slot, first in rows.items():
+            request = self.running[slot]
+            for i, proposal in enumerate([*(proposals or {}).get(slot, ()), None], start=first):
+                token = self._choose_row(slot, block[i], finite[i], argmax[i] if slot in plain else None)
+                if token is None:
+                    break
+                events.append((request, token))
+                self._pending[slot] = token
+                if request.done:
+                    self._free(slot)
+                if request.done or token != proposal:
+                    break
         return events
+
+    def _choose_row(self, slot: int, row: torch.Tensor, finite: bool, chosen: int | None) -> int | None:
+        """The slot's next token from its logits ``row`` (recorded in its request), or None where that
+        request failed (ended with an error, its slot freed)."""
+        request = self.running[slot]
+        if not finite and not torch.isfinite(row).all():
+            self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
+                       "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
+            return None
+        seed, seen, counts = self._state[slot]
+        u = uniform(seed, len(request.prompt) + len(request.token_ids))
+        try:
+            token, logprob, top = sample_row(row, request.sampling, u, seen, counts, token=chosen,
+                                             logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip
+            if request.logprobs:
+                request.logprobs_list.append(logprob)
+            if top is not None:
+                request.top_list.append(top)
+            request.record(token, self.cache.max_len)
+        except Exception as e:  # this request's alone (a tokenizer, a sampling bug): the others go on
+            if out_of_memory(e, "") is not None:
+                raise  # (the allocator's: step() says it plainly)
+            self._fail(slot, f"its next token could not be chosen: {type(e).__name__}: {e}")
+            return None
+        return token
 
     def _fail(self, slot: int, message: str) -> None:
         request = self.running[slot]
@@ -292,3 +330,5 @@ class Engine:
         self._seeds.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0
+        if self.speculator is not None:
+            self.speculator.ahead.pop(slot, None)

@@ -63,3 +63,10 @@ class Runner:
         if self._step is not None:
             return self._step(tokens, rows, span)
         return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
+
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Several tokens for every slot at consecutive positions, over the whole window (the same shapes
+        in every step): (slots, T) ids and positions -> (slots, T, V) logits."""
+        device = self.model.device
+        return self.model(tokens.to(device), positions=positions.to(device), cache=self.cache,
+                          span=self.cache.max_len)  # fmt: skip

@@ -1,0 +1,192 @@
+"""Speculative decoding: proposals never change an output.
+
+In a speculating engine the tokens and log-probabilities are those it gives with no proposals at all, bit for
+bit, whatever is proposed (always right, always wrong, prompt lookup, a draft model); against a plain
+(non-speculating) engine the tokens are the same and the log-probabilities agree within the prefix tests'
+tolerance.
+"""
+
+import pytest
+import torch
+
+import generate
+from generate.engine.engine import Engine
+from generate.engine.request import Request
+from generate.engine.sampling import SamplingParams
+from generate.engine.speculate import DraftProposer, NgramProposer, Speculator
+from helpers import FP32_TOL, GREEDY, TINY_CONFIGS, make_model
+
+CONFIG = TINY_CONFIGS["2x2x32"]  # a 64-position window: many requests run into it
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
+
+
+def token_bytes(token: int) -> bytes:
+    return bytes([97 + token % 26])  # a letter per token: stop strings over a tiny vocabulary
+
+
+class NoProposals:
+    def propose(self, slot, request, k):
+        return []
+
+
+class Known:
+    """Proposes what a run without proposals chose (``shift`` 0: always right; 1: always wrong)."""
+
+    def __init__(self, runs: dict[tuple, list[int]], vocab: int, shift: int) -> None:
+        self.runs, self.vocab, self.shift = runs, vocab, shift
+
+    def propose(self, slot, request, k):
+        done, full = len(request.token_ids), self.runs[tuple(request.prompt), request.seed]
+        return [(t + self.shift) % self.vocab for t in full[done : done + k]]
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """Mixed lengths (1 to 40 of a 64-token window), half of them repeating a phrase (prompt lookup hits)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        length = int(torch.randint(1, 41, (1,), generator=g))
+        if i % 2:
+            phrase = torch.randint(
+                0, CONFIG.vocab_size, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
+            )
+            out.append((phrase.tolist() * 20)[:length])
+        else:
+            out.append(torch.randint(0, CONFIG.vocab_size, (length,), generator=g).tolist())
+    return out
+
+
+def run(model, prompts, sampling, speculator=None, slots=8, **options):
+    engine = Engine(model, slots=slots, speculate=speculator, token_bytes=token_bytes)
+    requests = [
+        engine.add(
+            Request(p, sampling, seed=i, logprobs=True, **{"max_new_tokens": 30, "eos_id": None, **options})
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for _ in engine.run():
+        pass
+    return requests
+
+
+def results(requests):
+    return [(r.token_ids, r.logprobs_list, r.finish_reason) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(CONFIG, seed=3, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return make_model(CONFIG, seed=4, std=0.3)  # another random model: it disagrees almost always
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("slots", [1, 8])
+def test_any_proposals_give_the_tokens_and_logprobs_of_none_bit_for_bit(model, draft, sampling, slots):
+    ps, n = prompts(100, seed=slots), 16
+    reference = run(model, ps, sampling, Speculator(NoProposals()), slots, max_new_tokens=n)
+    runs = {(tuple(r.prompt), r.seed): r.token_ids for r in reference}
+    right, wrong = Known(runs, CONFIG.vocab_size, 0), Known(runs, CONFIG.vocab_size, 1)
+    proposers = {
+        "ngram": NgramProposer(),
+        "draft": DraftProposer(draft, slots),
+        "right": right,
+        "wrong": wrong,
+    }
+    for name, proposer in proposers.items():
+        speculator = Speculator(proposer, lookahead=4)
+        assert results(run(model, ps, sampling, speculator, slots, max_new_tokens=n)) == results(reference), (
+            name
+        )
+        stats = speculator.stats()
+        if name == "right":  # every proposal taken: up to 5 tokens a step
+            assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_pass"] > 3
+        if name == "wrong":
+            assert stats["accepted"] == 0 and stats["proposed"] > 0
+        if name == "ngram":
+            assert 0 < stats["accepted"] < stats["proposed"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_speculation_gives_a_plain_engines_tokens_and_its_logprobs_within_tolerance(model, sampling):
+    ps = prompts(40, seed=5)
+    plain = run(model, ps, sampling)
+    for proposer in (NgramProposer(), NoProposals()):
+        spec = run(model, ps, sampling, Speculator(proposer))
+        for a, b in zip(plain, spec, strict=True):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs_list, b.logprobs_list, strict=True)) < 1e-5
+
+
+def test_logprobs_equal_the_full_forward_at_every_prefix_to_the_window_end(model):
+    ps = prompts(12, seed=6)
+    for r in run(model, ps, GREEDY, Speculator(NgramProposer()), max_new_tokens=100):
+        assert len(r.prompt) + len(r.token_ids) == CONFIG.n_positions and r.finish_reason == "length"
+        ids = torch.tensor([r.prompt + r.token_ids[:-1]])
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids)[0, len(r.prompt) - 1 :], dim=-1)
+        expected = full.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        scale = max(1.0, model(ids).abs().max().item())
+        assert (torch.tensor(r.logprobs_list) - expected).abs().max().item() <= 2 * FP32_TOL * scale
+
+
+@pytest.mark.parametrize("ending", ["eos", "stop", "budget"])
+def test_proposals_past_an_eos_a_stop_string_or_the_budget_change_nothing(model, ending):
+    ps = prompts(24, seed=7)
+    reference = run(model, ps, SEEDED, Speculator(NoProposals()), max_new_tokens=40)
+    runs = {(tuple(r.prompt), r.seed): r.token_ids for r in reference}
+    # Each request ends early, on a token (or text) from the middle of its free run; the proposals (always
+    # right, taken from that free run) go on past it.
+    options = {"budget": {"max_new_tokens": 7}, "eos": {"eos_id": reference[0].token_ids[5]},
+               "stop": {"stop": (token_bytes(reference[0].token_ids[9]).decode() * 2,)}}[ending]  # fmt: skip
+    ended = run(model, ps, SEEDED, Speculator(NoProposals()), **{"max_new_tokens": 40, **options})
+    spec = run(
+        model, ps, SEEDED, Speculator(Known(runs, CONFIG.vocab_size, 0)), **{"max_new_tokens": 40, **options}
+    )
+    assert results(spec) == results(ended)
+    assert any(len(r.token_ids) < 40 for r in ended)
+    if ending == "stop":
+        assert all(r.text.text.count(options["stop"][0]) <= 1 for r in spec)
+
+
+def test_the_shipped_model_speculating_through_the_api_gives_the_plain_text():
+    plain = generate.load("shakespeare")
+    ngram = generate.Generator(plain.model, draft="ngram")
+    prompts = ["ROMEO:\nI will, I will, I will go. ROMEO:\nI", "To be, or not to be, that is", "KING:"]
+    accepted = 0
+    for options in ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 3}):
+        a = plain.generate(prompts, max_new_tokens=40, logprobs=True, **options)
+        b = ngram.generate(prompts, max_new_tokens=40, logprobs=True, **options)
+        accepted += ngram._engine.speculator.stats()["accepted"]
+        for x, y in zip(a, b, strict=True):
+            assert x.text == y.text and x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
+        streamed = "".join(ngram.stream(prompts[0], max_new_tokens=40, **options))
+        assert streamed == a[0].text
+    assert accepted > 0  # (proposals were taken)
+
+
+def test_bad_draft_settings_are_refused():
+    model = make_model(CONFIG)
+    with pytest.raises(ValueError, match=r"draft='bigram': give 'ngram' or a draft model"):
+        generate.Generator(model, draft="bigram")
+    with pytest.raises(ValueError, match=r"runs eager for now; drop compile=True"):
+        generate.Generator(model, draft="ngram", compile=True)
+    with pytest.raises(ValueError, match=r"lookahead=0 must be an integer in 1\.\.16"):
+        Speculator(NgramProposer(), lookahead=0)
+    with pytest.raises(ValueError, match=r"n=0 must be a positive integer"):
+        NgramProposer(0)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    def propose(history, k=3):
+        return NgramProposer(3).propose(0, Request(history, max_new_tokens=99, eos_id=None), k)
+
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]  # the latest match of the last 3
+    assert propose([5, 2, 3, 9, 1, 2, 3]) == [9, 1, 2]  # no earlier [1, 2, 3]: the last 2 tokens' match
+    assert propose([4, 8, 6, 6, 1, 8]) == [6, 6, 1]  # no 3- or 2-token match: the last token alone
+    assert propose([1, 2, 3, 4]) == []  # nothing matches
+    assert propose([7, 7], k=5) == [7]  # the continuation may be short
