@@ -16,7 +16,7 @@ from generate.engine.engine import Engine, raise_errors
 from generate.engine.memory import said_plainly
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
-from generate.engine.speculate import make_speculator
+from generate.engine.speculate import Counts, make_speculator
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
 from model import GPT, GPTConfig
@@ -97,9 +97,16 @@ class Generator:
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
         self.progress, self.draft = progress, draft
+        self._counts = Counts()
         self._engine: Engine | None = None
         # Held while a call adds to, steps or reads the kept engine: calls may overlap (threads, streams).
         self.lock = threading.RLock()
+
+    @property
+    def speculation(self) -> dict[str, float] | None:
+        """Speculative decoding's counts over every call so far (proposals made and accepted, the acceptance
+        rate, tokens per verifying pass of a row), or None without a draft."""
+        return None if self.draft is None else self._counts.stats()
 
     def width(self, count: int) -> int:
         """The engine width a call of ``count`` prompts runs in: :attr:`slots` when deterministic; else as
@@ -211,7 +218,7 @@ class Generator:
         return self._engine
 
     def _make_engine(self, slots: int, max_len: int) -> Engine:
-        speculate = None if self.draft is None else make_speculator(self.draft, slots)
+        speculate = None if self.draft is None else make_speculator(self.draft, slots, counts=self._counts)
         return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,
                       token_bytes=self.tokenizer.decode_single_token_bytes,
                       vocab_limit=self.tokenizer.n_vocab, speculate=speculate)  # fmt: skip

@@ -91,6 +91,14 @@ def test_json_output_has_one_object_per_completion(ckpt, gen, capsys):
     assert "logprobs" not in record
 
 
+def test_a_draft_gives_the_same_text_and_its_counts(ckpt, gen, capsys):
+    assert main(["Hello world", "-c", ckpt, "--json", "-n", "12", "--seed", "3", "--draft", "ngram"]) == 0
+    [record] = json_lines(capsys.readouterr().out)
+    assert record["text"] == gen.generate("Hello world", max_new_tokens=12, seed=3, **CLI_DEFAULTS).text
+    assert set(record["speculation"]) == {"proposed", "accepted", "acceptance_rate", "tokens_per_pass"}
+    assert record["speculation"]["tokens_per_pass"] >= 1
+
+
 def test_num_samples_gives_one_object_per_sample_with_seed_plus_k(ckpt, gen, capsys):
     assert main(["Hello", "-c", ckpt, "--json", "-n", "6", "--seed", "5", "--num-samples", "2"]) == 0
     records = json_lines(capsys.readouterr().out)
@@ -257,6 +265,7 @@ def test_no_stream_prints_the_same_text(ckpt, gen, capsys):
         (["--temperature", "warm"], "invalid float value: 'warm'"),
         (["--group-size", "32"], "--group-size applies to --dtype int4 or int4-body only, not float32"),
         (["--dtype", "int4", "--group-size", "48"], "argument --group-size: invalid choice: 48"),
+        (["--draft", "ngram", "--compile"], "--draft runs eager for now; drop --compile or --draft"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, mentions, ckpt, capsys):

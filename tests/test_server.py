@@ -8,6 +8,7 @@ and seeded requests give the same tokens over HTTP, whatever else runs (the engi
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import signal
@@ -550,3 +551,29 @@ def test_a_signal_ends_what_runs_past_the_timeout_with_503_and_exits_0(tmp_path)
         last = json.loads(events[-3])
         assert (events is streamed and "error" not in last) or last["error"]["code"] == "shutting_down"
     assert "error" in json.loads(queued_stream[-3])
+
+
+def test_a_speculating_server_streams_the_offline_text_and_counts_proposals(tmp_path):
+    s = Server("--draft", "ngram", "--max-slots", "2")
+    try:
+        s.wait_ready()
+        offline = generate.load("shakespeare", slots=2, deterministic=True, draft="ngram")
+        prompts = ["ROMEO:\nI will, I will, I will go. ROMEO:\nI will", "To be, or not to be, that is"]
+        body = {"max_tokens": 30, "temperature": 0.8, "top_p": 0.95, "seed": 5, "stream": True}
+
+        def stream(prompt: str) -> str:
+            with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": prompt}) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both in the engine at once
+            texts = list(pool.map(stream, prompts))
+        for prompt, text in zip(prompts, texts, strict=True):
+            assert (
+                text == offline.generate(prompt, max_new_tokens=30, temperature=0.8, top_p=0.95, seed=5).text
+            )
+        assert s.metric("speculative_accepted_total") > 0
+        assert 0 < s.metric("speculative_acceptance_rate") <= 1
+    finally:
+        assert s.stop() == 0, "".join(s.lines)

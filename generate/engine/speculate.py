@@ -14,6 +14,7 @@ engine's in the last bits (within the prefix tests' tolerance), and a near-tie c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -99,16 +100,38 @@ class DraftProposer:
         return proposals
 
 
-def make_speculator(draft: GPT | str, slots: int, lookahead: int = DEFAULT_LOOKAHEAD) -> Speculator:
+@dataclass
+class Counts:
+    """Speculation's counts: proposals made and accepted, verifying passes (a slot's step) and the tokens
+    they gave."""
+
+    proposed: int = 0
+    accepted: int = 0
+    passes: int = 0
+    tokens: int = 0
+
+    def stats(self) -> dict[str, float]:
+        """The counts, the acceptance rate and the tokens per pass."""
+        return {
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+            "tokens_per_pass": self.tokens / self.passes if self.passes else 0.0,
+        }
+
+
+def make_speculator(
+    draft: GPT | str, slots: int, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
+) -> Speculator:
     """A :class:`Speculator` for an engine of ``slots``: ``draft`` is ``"ngram"`` (prompt lookup) or a
-    draft model."""
+    draft model; ``counts`` are added to (default: its own)."""
     if isinstance(draft, str):
         if draft != "ngram":
             raise ValueError(
                 f"draft={draft!r}: give 'ngram' or a draft model (a checkpoint sharing the tokenizer)"
             )
-        return Speculator(NgramProposer(), lookahead)
-    return Speculator(DraftProposer(draft, slots), lookahead)
+        return Speculator(NgramProposer(), lookahead, counts)
+    return Speculator(DraftProposer(draft, slots), lookahead, counts)
 
 
 class Speculator:
@@ -120,14 +143,17 @@ class Speculator:
     Args:
         proposer: where proposals come from.
         lookahead: the most tokens proposed per slot and step (the step's width is one more).
+        counts: where its counts are added (default: its own).
     """
 
-    def __init__(self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD) -> None:
+    def __init__(
+        self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
+    ) -> None:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= 16:
             raise ValueError(f"lookahead={lookahead!r} must be an integer in 1..16")
         self.proposer, self.lookahead = proposer, lookahead
         self.ahead: dict[int, int] = {}  # slot -> how many it proposes next
-        self.proposed = self.accepted = self.passes = self.tokens = 0
+        self.counts = Counts() if counts is None else counts
 
     def inputs(
         self, pending: torch.Tensor, lengths: list[int], running: dict[int, Request], window: int
@@ -153,16 +179,15 @@ class Speculator:
 
     def record(self, slot: int, proposed: int, chosen: int) -> None:
         """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead."""
-        accepted = max(chosen - 1, 0)
-        self.proposed, self.accepted = self.proposed + proposed, self.accepted + accepted
-        self.passes, self.tokens = self.passes + 1, self.tokens + chosen
+        accepted, c = max(chosen - 1, 0), self.counts
+        c.proposed, c.accepted, c.passes, c.tokens = (
+            c.proposed + proposed,
+            c.accepted + accepted,
+            c.passes + 1,
+            c.tokens + chosen,
+        )
         self.ahead[slot] = min(self.lookahead, accepted + 1)
 
     def stats(self) -> dict[str, float]:
-        """Proposals made and accepted, the acceptance rate, and tokens per row per verifying step."""
-        return {
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "tokens_per_pass": self.tokens / self.passes if self.passes else 0.0,
-        }
+        """See :meth:`Counts.stats`."""
+        return self.counts.stats()

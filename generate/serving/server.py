@@ -421,6 +421,22 @@ def _metrics_text(state: State) -> str:
         "Time of engine steps.",
         [("_sum", m.step_seconds if m else 0), ("_count", m.steps if m else 0)],
     )
+    spec = loop.engine.speculator if loop is not None else None
+    if spec is not None:
+        stats = spec.stats()
+        metric("speculative_proposed_total", "counter", "Tokens proposed.", [("", stats["proposed"])])
+        metric(
+            "speculative_accepted_total", "counter", "Proposed tokens accepted.", [("", stats["accepted"])]
+        )
+        metric(
+            "speculative_acceptance_rate", "gauge", "Accepted / proposed.", [("", stats["acceptance_rate"])]
+        )
+        metric(
+            "speculative_tokens_per_pass",
+            "gauge",
+            "Tokens a row gains per step.",
+            [("", stats["tokens_per_pass"])],
+        )
     metric(
         "ready", "gauge", "1 once the model is loaded (and compiled).", [("", float(state.status == "ok"))]
     )

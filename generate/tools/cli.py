@@ -105,9 +105,11 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
 
 
 def check_model_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse a ``--group-size`` without an int4 dtype (a usage error)."""
+    """Refuse a ``--group-size`` without an int4 dtype, and ``--draft`` with ``--compile`` (usage errors)."""
     if args.group_size is not None and not args.dtype.startswith("int4"):
         parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
+    if getattr(args, "draft", None) is not None and getattr(args, "compile", False):
+        parser.error("--draft runs eager for now; drop --compile or --draft")
 
 
 def import_holding_signals(name: str) -> None:
@@ -148,10 +150,20 @@ def load_generator(args: argparse.Namespace, slots: int | None = None) -> Genera
     compile progress goes to the log."""
     from generate.api import DEFAULT_SLOTS, load
 
-    deterministic = getattr(args, "deterministic", False)
+    deterministic, draft = getattr(args, "deterministic", False), getattr(args, "draft", None)
     return load(args.checkpoint, config=args.config, device=args.device, dtype=args.dtype,
                 group_size=args.group_size, compile=args.compile, slots=slots or DEFAULT_SLOTS,
-                deterministic=deterministic)  # fmt: skip
+                deterministic=deterministic, draft=draft)  # fmt: skip
+
+
+def add_draft_option(p: argparse.ArgumentParser) -> None:
+    """``--draft``: speculative decoding (generate and serve)."""
+    p.add_argument(
+        "--draft",
+        metavar="DRAFT",
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the tokenizer; "
+        "the same output as without it (eager only, not with --compile)",
+    )
 
 
 def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
@@ -168,6 +180,7 @@ def build_parser(prog: str = "generate") -> argparse.ArgumentParser:
         dtype_help="weights and compute: float32 (default), bfloat16, float16, or int8 or int4 weights with "
         "bf16 compute (-body: output head in bf16)",
     )
+    add_draft_option(p)
     p.add_argument(
         "--max-new-tokens", "-n", type=int, default=100, help="tokens to generate at most (default 100)"
     )
@@ -369,6 +382,8 @@ def _run(gen: Generator, prompts: list[str], args: argparse.Namespace, out: _Out
                                      "batch_tokens_per_second": round(new_tokens / seconds, 2)}}  # fmt: skip
                 if args.logprobs:
                     record["logprobs"] = completion.logprobs
+                if gen.speculation is not None:
+                    record["speculation"] = gen.speculation  # (every call's so far)
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
             else:
                 out.write(completion.text + ("\n\n" if total > 1 else "\n"))

@@ -23,6 +23,7 @@ from typing import Any
 from generate.tools.cli import (
     CommandParser,
     add_checkpoint_option,
+    add_draft_option,
     add_model_options,
     check_model_options,
     import_holding_signals,
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile the decode step at start (kept on disk: later starts load it in seconds)",
     )
+    add_draft_option(p)
     p.add_argument("--max-slots", type=int, default=8, help="requests generated at once (default 8)")
     p.add_argument(
         "--max-queue",
