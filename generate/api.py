@@ -66,7 +66,7 @@ class Generator:
         progress: called with a line of text while a decode step compiles.
         draft: speculative decoding (:mod:`generate.engine.speculate`): ``"ngram"`` (prompt lookup) or a
             draft model sharing the tokenizer; the output is the same as with no proposals in the same
-            arrangement. Eager only.
+            arrangement. Compiled, the speculative step is compiled (once per width, as a decode step).
 
     Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
     one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.
@@ -83,10 +83,6 @@ class Generator:
         progress: Callable[[str], None] | None = None,
         draft: GPT | str | None = None,
     ) -> None:
-        if draft is not None and compile:
-            raise ValueError(
-                "speculative decoding (draft=) runs eager for now; drop compile=True or the draft"
-            )
         if isinstance(draft, str) and draft != "ngram":
             raise ValueError(
                 f"draft={draft!r}: give 'ngram' or a draft model (generate.load(..., draft=path))"

@@ -115,6 +115,7 @@ class CausalAttention(nn.Module):
         positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
+        step: bool = False,
     ) -> torch.Tensor:
         """Attend each new position to itself and every earlier one.
 
@@ -126,9 +127,12 @@ class CausalAttention(nn.Module):
                 values are written at ``positions``; attention reads cache positions ``0 .. span-1``, and a
                 query at position ``p`` sees the keys at positions ``<= p``.
             span: how many cache positions attention reads (default all); it must exceed every position.
-                With one new token per row (a decode step) it must be whole chunks of :data:`CHUNK`.
+                With one new token per row (a decode step), or ``step``, it must be whole chunks of
+                :data:`CHUNK`.
                 What lies past a row's own positions is masked and must be finite (a NaN value times a
                 weight of 0 is NaN; :meth:`model.KVCache.clear` zeroes a slot).
+            step: sum over the cache in fixed chunks (:meth:`decode`) with several new tokens per row too
+                (a speculative step's); one new token per row always does.
 
         Returns:
             Tensor of shape (B, T, d_out).
@@ -150,7 +154,7 @@ class CausalAttention(nn.Module):
             span = k_buf.shape[2] if span is None else span
             keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
             blocked = torch.arange(span, device=x.device) > positions[:, None, :, None]  # (B, 1, T, span)
-            if t == 1:
+            if t == 1 or step:
                 y = self.decode(q, keys, values, blocked)
             else:
                 y = F.scaled_dot_product_attention(q, keys, values, attn_mask=~blocked)
@@ -159,34 +163,35 @@ class CausalAttention(nn.Module):
     def decode(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor
     ) -> torch.Tensor:
-        """One query per row over ``span`` cached positions, so that a row's bits depend on that row alone.
+        """A few queries per row over ``span`` cached positions, so that a row's bits depend on it alone.
 
         Every sum runs over a length fixed by the model, never by the span: a score is a dot product of
         ``head_dim`` terms; the softmax's denominator and the weighted values are summed within chunks of
         :data:`CHUNK` positions, and the chunks' sums are added in order (a cumulative sum). A position past
         the row's own has a weight of exactly 0, so a chunk wholly past it adds exactly 0: reading more
         chunks (because another row is further on) changes no bits. The maximum is exact in any order. The
-        work is in fp32 whatever the cache's dtype.
+        work is in fp32 whatever the cache's dtype. (It holds B x nh x T x span x hs products at once: for a
+        step's few queries, not for a prompt.)
 
         Args:
-            q: (B, nh, 1, hs) the rows' queries.
+            q: (B, nh, T, hs) the rows' queries.
             keys, values: (B, nh, span, hs), span a whole number of :data:`CHUNK` positions.
-            blocked: (B, 1, 1, span) True where a key lies past the row's position.
+            blocked: (B, 1, T, span) True where a key lies past the query's position.
 
         Returns:
-            (B, nh, 1, hs) in the cache's dtype.
+            (B, nh, T, hs) in the cache's dtype.
         """
-        b, nh, _, hs = q.shape
+        b, nh, t, hs = q.shape
         chunks = keys.shape[2] // CHUNK
         if not torch.compiler.is_compiling() and keys.shape[2] % CHUNK:
             raise ValueError(
                 f"a decode step reads whole chunks of {CHUNK} cache positions; got a span of {keys.shape[2]} "
                 "(a model.KVCache holds whole chunks)"
             )
-        scores = (q.float() * (1.0 / math.sqrt(hs))) @ keys.float().transpose(-2, -1)  # (B, nh, 1, span)
+        scores = (q.float() * (1.0 / math.sqrt(hs))) @ keys.float().transpose(-2, -1)  # (B, nh, T, span)
         scores = scores.masked_fill(blocked, float("-inf"))
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True)).view(b, nh, chunks, CHUNK, 1)
-        parts = (weights * values.float().view(b, nh, chunks, CHUNK, hs)).sum(3)  # (B, nh, chunks, hs)
-        totals = weights.sum(3)  # (B, nh, chunks, 1)
-        y = parts.cumsum(2)[:, :, -1:] / totals.cumsum(2)[:, :, -1:]  # (B, nh, 1, hs)
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True)).view(b, nh, t, chunks, CHUNK, 1)
+        parts = (weights * values.float().view(b, nh, 1, chunks, CHUNK, hs)).sum(4)  # (B, nh, T, chunks, hs)
+        totals = weights.sum(4)  # (B, nh, T, chunks, 1)
+        y = parts.cumsum(3)[:, :, :, -1] / totals.cumsum(3)[:, :, :, -1]  # (B, nh, T, hs)
         return y.to(values.dtype)

@@ -62,8 +62,9 @@ class Block(nn.Module):
         positions: torch.Tensor | None = None,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None,
         span: int | None = None,
+        step: bool = False,
     ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span)
+        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, step=step)
         x = x + self.resid_dropout(a)
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
@@ -143,6 +144,7 @@ class GPT(nn.Module):
         slot: int | None = None,
         span: int | None = None,
         last_only: bool = False,
+        step: bool = False,
     ) -> torch.Tensor:
         """Compute next-token logits.
 
@@ -159,6 +161,8 @@ class GPT(nn.Module):
                 every position must be below it. A decode step (one token per row) reads it rounded up to
                 whole chunks of :data:`model.attention.CHUNK` positions.
             last_only: compute logits for the last position only (what generation needs).
+            step: with a cache, a step of a few tokens per row (speculative decoding's): attention as in a
+                decode step, over whole chunks (:meth:`model.CausalAttention.decode`).
 
         Returns:
             Logits of shape (B, T, vocab_size), or (B, 1, vocab_size) with ``last_only``.
@@ -173,10 +177,11 @@ class GPT(nn.Module):
                 raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
             x = self._reference(input_ids)
         else:
-            span = self._check_cached(input_ids, positions, cache, slot, span)
+            step = step or input_ids.shape[1] == 1
+            span = self._check_cached(input_ids, positions, cache, slot, span, step)
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
             for i, block in enumerate(self.h):
-                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span)
+                x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, step=step)
         if last_only:
             x = x[:, -1:]
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
@@ -230,9 +235,10 @@ class GPT(nn.Module):
         cache: KVCache,
         slot: int | None,
         span: int | None,
+        step: bool,
     ) -> int:
         """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span it
-        reads: ``span`` (default ``cache.max_len``), for a decode step rounded up to whole chunks."""
+        reads: ``span`` (default ``cache.max_len``), for a step rounded up to whole chunks."""
         b, t = input_ids.shape
         if positions is None or tuple(positions.shape) != (b, t):
             shape = None if positions is None else tuple(positions.shape)
@@ -257,7 +263,7 @@ class GPT(nn.Module):
                     f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
                     "larger cache or shorten the input"
                 )
-        return -(-span // CHUNK) * CHUNK if t == 1 else span
+        return -(-span // CHUNK) * CHUNK if step else span
 
     @property
     def compute_dtype(self) -> torch.dtype:

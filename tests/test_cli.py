@@ -265,7 +265,6 @@ def test_no_stream_prints_the_same_text(ckpt, gen, capsys):
         (["--temperature", "warm"], "invalid float value: 'warm'"),
         (["--group-size", "32"], "--group-size applies to --dtype int4 or int4-body only, not float32"),
         (["--dtype", "int4", "--group-size", "48"], "argument --group-size: invalid choice: 48"),
-        (["--draft", "ngram", "--compile"], "--draft runs eager for now; drop --compile or --draft"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, mentions, ckpt, capsys):

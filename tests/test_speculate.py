@@ -173,8 +173,6 @@ def test_bad_draft_settings_are_refused():
     model = make_model(CONFIG)
     with pytest.raises(ValueError, match=r"draft='bigram': give 'ngram' or a draft model"):
         generate.Generator(model, draft="bigram")
-    with pytest.raises(ValueError, match=r"runs eager for now; drop compile=True"):
-        generate.Generator(model, draft="ngram", compile=True)
     with pytest.raises(ValueError, match=r"lookahead=0 must be an integer in 1\.\.16"):
         Speculator(NgramProposer(), lookahead=0)
     with pytest.raises(ValueError, match=r"n=0 must be a positive integer"):
@@ -190,3 +188,20 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert propose([4, 8, 6, 6, 1, 8]) == [6, 6, 1]  # no 3- or 2-token match: the last token alone
     assert propose([1, 2, 3, 4]) == []  # nothing matches
     assert propose([7, 7], k=5) == [7]  # the continuation may be short
+
+
+def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones(model):
+    ps = prompts(16, seed=8)
+    compiled = {}
+    for name, proposer in (("none", NoProposals()), ("ngram", NgramProposer())):
+        engine = Engine(model, slots=2, speculate=Speculator(proposer), compile=True)
+        requests = [engine.add(Request(p, SEEDED, max_new_tokens=20, seed=i, eos_id=None, logprobs=True))
+                    for i, p in enumerate(ps)]  # fmt: skip
+        for _ in engine.run():
+            pass
+        compiled[name] = results(requests)
+    assert compiled["ngram"] == compiled["none"]  # the same library: bit for bit
+    eager = run(model, ps, SEEDED, Speculator(NgramProposer()), slots=2, max_new_tokens=20)
+    for (tokens, logprobs, _), r in zip(compiled["ngram"], eager, strict=True):
+        assert tokens == r.token_ids
+        assert max(abs(x - y) for x, y in zip(logprobs, r.logprobs_list, strict=True)) < 1e-5

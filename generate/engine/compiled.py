@@ -41,8 +41,8 @@ from model.attention import CHUNK
 
 log = logging.getLogger("gptgen")
 
-# A compiled step: (slots, 1) token ids and positions, and how many cache positions to read (rounded up to
-# whole chunks) -> (slots, V).
+# A compiled step: (slots, width) token ids and positions, and how many cache positions to read (rounded up
+# to whole chunks) -> (slots, V) for a width of 1 (a decode step), else (slots, width, V) (a speculative one).
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
@@ -101,7 +101,7 @@ def cache_limit_bytes() -> int:
     return int(min(gib, 2.0**40) * 2**30)
 
 
-def step_key(model: GPT, cache: KVCache) -> str:
+def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
     """The name of a compiled step: a digest of the weights, config, dtype, shapes, the code it is traced
     from, torch and the CPU."""
     h = hashlib.blake2b(digest_size=16)
@@ -115,7 +115,7 @@ def step_key(model: GPT, cache: KVCache) -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     facts = [repr(model.config), str(cache.k[0].dtype), cache.slots, cache.max_len, torch.__version__, cpu,
-             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()]  # fmt: skip
+             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), width]  # fmt: skip
     h.update(json.dumps(facts).encode())
     return h.hexdigest()
 
@@ -132,8 +132,16 @@ class _Step(torch.nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, chunks: torch.Tensor, *kv: torch.Tensor
     ) -> torch.Tensor:
         cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        span = chunks.shape[0] * CHUNK
-        return self.model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
+        return _forward(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
+
+
+def _forward(
+    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
+) -> torch.Tensor:
+    """The step's forward: the last position's logits for one token per row, every position's for more."""
+    if tokens.shape[1] == 1:
+        return model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
+    return model(tokens, positions=positions, cache=cache, span=span, step=True)
 
 
 @contextlib.contextmanager
@@ -165,11 +173,11 @@ def _chunks(count: int, device: torch.device) -> torch.Tensor:
     return torch.empty(count, 0, device=device)  # the step's chunk count: a size, no elements
 
 
-def _package(model: GPT, cache: KVCache, path: Path, progress: Progress) -> None:
+def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: int) -> None:
     """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _use_inductor_cache()
-    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}"
+    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {width} tokens" if width > 1 else "")
     what = (f"compiling the decode step ({rows} x {cache.max_len} positions; a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
     with (
@@ -181,7 +189,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress) -> None
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         most = cache.k[0].shape[2] // CHUNK  # (the cache holds whole chunks)
-        tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
+        tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
         inputs = (tokens, torch.zeros_like(tokens), _chunks(min(2, most), model.device), *cache.k, *cache.v)
         chunks = {0: torch.export.Dim("chunks", min=1, max=most)} if most > 1 else None
         dynamic = (None, None, chunks, (None,) * (2 * len(cache.k)))
@@ -265,10 +273,10 @@ def _compile_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
+def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The CPU step: loaded from the cache directory, compiled first if it is not there."""
     limit = cache_limit_bytes()  # (a bad setting refused before a compile, not after)
-    path = cache_dir() / "steps" / f"{step_key(model, cache)}.so"
+    path = cache_dir() / "steps" / f"{step_key(model, cache, width)}.so"
     step = _load(path)
     if step is None:
         check_compile_memory(model)  # (before the lock: a refusal writes nothing)
@@ -276,7 +284,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step
             with _compile_lock(path):
                 step = _load(path)  # another process may have compiled it meanwhile
                 if step is None:
-                    _package(model, cache, path, progress)
+                    _package(model, cache, path, progress, width)
                     step = _load(path)
                     prune(path.parent, path, limit)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
@@ -284,7 +292,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step
             log.warning("could not keep the compiled step in %s (%s); compiling it for this process only "
                         "(%s)", path.parent, e, advice)  # fmt: skip
             directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
-            _package(model, cache, directory / path.name, progress)
+            _package(model, cache, directory / path.name, progress, width)
             step = _load(directory / path.name)
             shutil.rmtree(directory, ignore_errors=True)  # (the loaded library stays mapped)
     if step is None:
@@ -298,13 +306,13 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step
     return run
 
 
-def jit_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
+def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once. It reads
     the whole cache whatever span it is given (one graph; the bits are the same, see the runner)."""
     _use_inductor_cache()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model(tokens, positions=positions, cache=cache, last_only=True)[:, -1]
+        return _forward(model, cache, tokens, positions, cache.max_len)
 
     cuda = model.device.type == "cuda"
     for buffer in (*cache.k, *cache.v):  # written in place at fixed addresses: CUDA graphs may replay it
@@ -316,15 +324,17 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
         torch.inference_mode(),  # (the engine's steps are; dynamo guards on it)
         torch._inductor.config.patch({} if cuda else CPU_OPTIONS),
     ):
-        tokens = torch.zeros(cache.slots, 1, dtype=torch.long, device=model.device)
-        compiled(tokens, torch.zeros_like(tokens))  # writes position 0 of every slot (cleared on join)
+        tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
+        positions = torch.arange(width, device=model.device).expand(cache.slots, width)
+        compiled(tokens, positions)  # writes the first positions of every slot (cleared on join)
     return lambda tokens, positions, span: compiled(tokens, positions)
 
 
-def compile_step(model: GPT, cache: KVCache, progress: Progress = None) -> Step:
-    """The compiled decode step of ``model`` over ``cache``, ready to run: (slots, 1) token ids and positions
-    and a span -> (slots, V) logits of the last position. On the CPU an AOTInductor library
-    kept on disk (:func:`packaged_step`); elsewhere ``torch.compile``'s (:func:`jit_step`)."""
+def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
+    """The compiled step of ``model`` over ``cache``, ready to run: (slots, width) token ids and positions
+    and a span -> (slots, V) logits of the last position for a width of 1, else (slots, width, V). On the
+    CPU an AOTInductor library kept on disk (:func:`packaged_step`); elsewhere ``torch.compile``'s
+    (:func:`jit_step`)."""
     if model.device.type == "cpu":
-        return packaged_step(model, cache, progress)
-    return jit_step(model, cache, progress)
+        return packaged_step(model, cache, progress, width)
+    return jit_step(model, cache, progress, width)

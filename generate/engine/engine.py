@@ -117,8 +117,6 @@ class Engine:
             raise ValueError(
                 f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
             )
-        if compile and speculate is not None:
-            raise ValueError("speculative decoding runs eager for now; drop compile or the draft")
         if compile:  # one compiled step serves every length: its cache holds the whole window
             max_len = cfg.n_positions
         _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
@@ -126,7 +124,8 @@ class Engine:
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
             self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
-            self.runner = Runner(model, self.cache, compile=compile, progress=progress)
+            width = 1 if speculate is None else 1 + speculate.lookahead
+            self.runner = Runner(model, self.cache, compile=compile, progress=progress, width=width)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self._state: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # seed, penalties

@@ -26,6 +26,7 @@ class Runner:
         cache: the engine's KV cache.
         compile: run the decode step compiled (:func:`generate.engine.compiled.compile_step`).
         progress: with ``compile``, called with a line of text as the compile goes on.
+        width: tokens per slot in a step: 1 (decode steps), or more (speculative steps, :meth:`verify`).
     """
 
     def __init__(
@@ -35,13 +36,14 @@ class Runner:
         *,
         compile: bool = False,
         progress: Callable[[str], None] | None = None,
+        width: int = 1,
     ) -> None:
         self.model, self.cache = model, cache
         self._step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
         if compile:
             from generate.engine.compiled import compile_step
 
-            self._step = compile_step(model, cache, progress)
+            self._step = compile_step(model, cache, progress, width)
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Write a prompt's keys and values for positions ``start ..`` (``tokens``, a chunk of it) into
@@ -65,8 +67,11 @@ class Runner:
         return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Several tokens for every slot at consecutive positions, over the whole window (the same shapes
-        in every step): (slots, T) ids and positions -> (slots, T, V) logits."""
+        """A speculative step: several tokens for every slot at consecutive positions, attention as in a
+        decode step (the same bits over any span): (slots, T) ids and positions -> (slots, T, V) logits."""
         device = self.model.device
-        return self.model(tokens.to(device), positions=positions.to(device), cache=self.cache,
-                          span=self.cache.max_len)  # fmt: skip
+        span = int(positions.max()) + 1 if device.type == "cpu" else self.cache.max_len
+        tokens, positions = tokens.to(device), positions.to(device)
+        if self._step is not None:
+            return self._step(tokens, positions, span)
+        return self.model(tokens, positions=positions, cache=self.cache, span=span, step=True)

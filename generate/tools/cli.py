@@ -105,11 +105,9 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
 
 
 def check_model_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse a ``--group-size`` without an int4 dtype, and ``--draft`` with ``--compile`` (usage errors)."""
+    """Refuse a ``--group-size`` without an int4 dtype (a usage error)."""
     if args.group_size is not None and not args.dtype.startswith("int4"):
         parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
-    if getattr(args, "draft", None) is not None and getattr(args, "compile", False):
-        parser.error("--draft runs eager for now; drop --compile or --draft")
 
 
 def import_holding_signals(name: str) -> None:
@@ -162,7 +160,7 @@ def add_draft_option(p: argparse.ArgumentParser) -> None:
         "--draft",
         metavar="DRAFT",
         help="speculative decoding: 'ngram' (prompt lookup) or a draft checkpoint sharing the tokenizer; "
-        "the same output as without it (eager only, not with --compile)",
+        "the same output as without it",
     )
 
 
