@@ -395,7 +395,7 @@ def small_server(tmp_path_factory):
     checkpoints.save(make_model(config, seed=1), path)
     # In int4 (group 64), so that a quantized model is served too.
     options = ["--max-slots", "1", "--max-queue", "1", "--api-key", "sesame", "--dtype", "int4"]
-    options += ["--header-timeout", "1"]
+    options += ["--header-timeout", "1", "--body-timeout", "1"]
     s = Server("-c", str(path), *options, "--group-size", "64")
     s.wait_ready()
     s.checkpoint = path
@@ -502,6 +502,29 @@ def test_a_connection_trickling_its_headers_is_closed_at_the_header_timeout(smal
     assert httpx.get(small_server.url + "/health").status_code == 200  # others are served as before
 
 
+def test_a_body_trickling_in_gets_408_at_the_body_timeout(small_server):
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(small_server.url)
+    body = json.dumps({"prompt": "To be", "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sesame\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        start = time.monotonic()
+        sock.sendall(head + body[:3])
+        for byte in body[3:10]:  # one byte every 0.2 s, past the 1 s deadline
+            time.sleep(0.2)
+            sock.sendall(bytes([byte]))
+        sock.settimeout(3)
+        answer = b""
+        while not answer.rstrip().endswith(b"}") and (more := sock.recv(4096)):
+            answer += more
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"code":"body_timeout"' in answer.replace(b" ", b"") and time.monotonic() - start < 3
+    assert httpx.get(small_server.url + "/health").status_code == 200
+
+
 def test_too_many_completions_for_the_queue_get_400_at_once(small_server):
     url, key = small_server.url + "/v1/completions", {"Authorization": "Bearer sesame"}
     answer = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 1}, headers=key)  # queue of 1
@@ -527,11 +550,22 @@ def test_a_signal_ends_what_runs_past_the_timeout_with_503_and_exits_0(tmp_path)
     server.wait_ready()
     url = server.url + "/v1/completions"
     body = {"prompt": "x", "max_tokens": 1000, "temperature": 0}
-    streamed, queued_stream, whole = [], [], []
+    streamed, queued_stream, whole, official = [], [], [], []
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    name = client.models.list().data[0].id
+
+    def official_stream() -> None:  # the openai client, queued too: its stream ends in an APIError
+        try:
+            for chunk in client.completions.create(model=name, stream=True, **body):
+                official.append(chunk.choices[0].text)
+        except openai.APIError as e:
+            official.append(e)
+
     threads = [
         threading.Thread(target=_sse, args=(url, {**body, "stream": True}, streamed)),
         threading.Thread(target=lambda: whole.append(httpx.post(url, json=body, timeout=60))),
         threading.Thread(target=_sse, args=(url, {**body, "stream": True}, queued_stream)),
+        threading.Thread(target=official_stream),
     ]
     for t in threads:
         t.start()
@@ -551,6 +585,7 @@ def test_a_signal_ends_what_runs_past_the_timeout_with_503_and_exits_0(tmp_path)
         last = json.loads(events[-3])
         assert (events is streamed and "error" not in last) or last["error"]["code"] == "shutting_down"
     assert "error" in json.loads(queued_stream[-3])
+    assert isinstance(official[-1], openai.APIError) and "shutting down" in str(official[-1]), official[-1:]
 
 
 def test_a_speculating_server_streams_the_offline_text_and_counts_proposals(tmp_path):

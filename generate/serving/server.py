@@ -41,6 +41,7 @@ class Settings:
     max_queue: int = 256
     api_key: str | None = None
     max_body: int = MAX_BODY
+    body_timeout: float = 30.0
 
 
 @dataclass
@@ -86,21 +87,34 @@ def _check_auth(state: State, request: HTTPRequest) -> None:
         )
 
 
-async def _read_json(request: HTTPRequest, limit: int) -> object:
-    length = request.headers.get("content-length")
+async def _read_json(request: HTTPRequest, settings: Settings) -> object:
+    limit, length = settings.max_body, request.headers.get("content-length")
     too_big = oa.APIError(
         f"the request body exceeds {limit:,} bytes; send a smaller request", status=413, code="body_too_large"
     )
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        return json.loads(b"".join(chunks))
+        body = await asyncio.wait_for(read(), settings.body_timeout)
+    except asyncio.TimeoutError:
+        raise oa.APIError(
+            f"the request body did not arrive within {settings.body_timeout:g} s (--body-timeout); send it "
+            "at once",
+            status=408,
+            code="body_timeout",
+        ) from None
+    try:
+        return json.loads(body)
     except (ValueError, RecursionError) as e:
         raise oa.APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
@@ -204,7 +218,7 @@ def build_app(settings: Settings) -> Starlette:
 
     async def generation(request: HTTPRequest, note: dict, chat: bool) -> Response:
         gen, loop = state.ready()
-        body = await _read_json(request, settings.max_body)
+        body = await _read_json(request, settings)
         _check_model(state, body)
         window = gen.model.config.n_positions
         if chat:
@@ -313,7 +327,7 @@ def build_app(settings: Settings) -> Starlette:
 
     async def tokenize(request: HTTPRequest, note: dict) -> Response:
         gen, _ = state.ready()
-        body = await _read_json(request, settings.max_body)
+        body = await _read_json(request, settings)
         _check_model(state, body)
         if not isinstance(body, dict) or set(body) - {"model", "prompt", "messages"}:
             raise oa.APIError('send {"prompt": text} or {"messages": [...]} (the chat template)', param=None)
@@ -330,7 +344,7 @@ def build_app(settings: Settings) -> Starlette:
 
     async def detokenize(request: HTTPRequest, note: dict) -> Response:
         gen, _ = state.ready()
-        body = await _read_json(request, settings.max_body)
+        body = await _read_json(request, settings)
         _check_model(state, body)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         vocab = gen.tokenizer.n_vocab

@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a connection has to send a request's headers before it is closed (default 10)",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request has to send its body once its headers are in; then 408 (default 30)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -93,6 +99,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0.1 <= args.header_timeout <= 3600:
         parser.error(f"--header-timeout must be in 0.1..3600 seconds, got {args.header_timeout}")
+    if not 0.1 <= args.body_timeout <= 3600:
+        parser.error(f"--body-timeout must be in 0.1..3600 seconds, got {args.body_timeout}")
     if not 0 <= args.shutdown_timeout <= 3600:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -215,7 +223,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     """HTTP in a thread, the model in this one (see :mod:`generate.serving.engine_loop` for why)."""
     from generate.serving.server import Settings, build_app
 
-    app = build_app(Settings(name, max_queue=args.max_queue, api_key=args.api_key))
+    settings = Settings(name, max_queue=args.max_queue, api_key=args.api_key, body_timeout=args.body_timeout)
+    app = build_app(settings)
     state = app.state.gptgen
     config = uvicorn.Config(
         app,
