@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import generate.engine.compiled as compiled
+import generate.engine.store as store
 from generate.engine.engine import Engine
 from helpers import (
     FP32_TOL,
@@ -34,7 +35,7 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
     config = GPTConfig(vocab_size=211, n_positions=100, n_embd=32, n_layer=2, n_head=2)
     model, requests = make_model(config, seed=6, std=0.3), mixed_requests(config, 6, count=5)
     assert max(len(r.prompt) + r.max_new_tokens for r in requests) > 64
-    path = compiled.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(config, 2, 100))}.so"
+    path = store.cache_dir() / "steps" / f"{compiled.step_key(model, KVCache(config, 2, 100))}.so"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a library")  # damaged, as by a full disk or a foreign file
     lines: list[str] = []
@@ -72,16 +73,16 @@ def test_the_key_changes_with_weights_dtype_width_and_threads(monkeypatch):
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path / "mine"))
-    assert compiled.cache_dir() == tmp_path / "mine"
+    assert store.cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("GPTGEN_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert compiled.cache_dir() == tmp_path / "xdg" / "gptgen"
+    assert store.cache_dir() == tmp_path / "xdg" / "gptgen"
 
 
 def fake_package(calls: list[int]):
     """A stand-in for the compile: counts its calls and leaves a file where the library goes."""
 
-    def package(model, cache, path, progress):
+    def package(model, cache, path, progress, width):
         path.parent.mkdir(parents=True, exist_ok=True)  # (the real one's first act)
         calls.append(1)
         path.write_bytes(b"library")
@@ -92,7 +93,7 @@ def fake_package(calls: list[int]):
 def test_two_engines_wanting_the_same_step_at_once_compile_it_once(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(compiled, "_package", fake_package(calls))
-    monkeypatch.setattr(compiled, "_load", lambda path: (lambda *inputs: None) if path.exists() else None)
+    monkeypatch.setattr(store, "load", lambda path: (lambda *inputs: None) if path.exists() else None)
     model = make_model(CONFIG, seed=7)
     threads = [threading.Thread(target=compiled.packaged_step, args=(model, KVCache(CONFIG, 2, 64)))
                for _ in range(2)]  # fmt: skip
@@ -106,7 +107,7 @@ def test_two_engines_wanting_the_same_step_at_once_compile_it_once(monkeypatch):
 def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatch, caplog, tmp_path):
     calls: list[int] = []
     monkeypatch.setattr(compiled, "_package", fake_package(calls))
-    monkeypatch.setattr(compiled, "_load", lambda path: (lambda *inputs: None) if path.exists() else None)
+    monkeypatch.setattr(store, "load", lambda path: (lambda *inputs: None) if path.exists() else None)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))  # a directory that cannot be made
@@ -126,7 +127,7 @@ def test_a_compile_that_would_run_out_of_memory_is_refused_naming_the_figures(mo
     )
     with pytest.raises(MemoryError, match=expected):
         Engine(make_model(CONFIG, seed=6), slots=2, compile=True)
-    assert not (compiled.cache_dir() / "steps").exists()  # nothing written
+    assert not (store.cache_dir() / "steps").exists()  # nothing written
 
 
 def test_prune_deletes_the_least_recently_used_libraries_down_to_the_limit(tmp_path):
@@ -140,21 +141,21 @@ def test_prune_deletes_the_least_recently_used_libraries_down_to_the_limit(tmp_p
         os.utime(path, (time.time() - age * 86400,) * 2)
         paths.append(path)
     kept = paths[0]  # the oldest, but the one just compiled
-    deleted = compiled.prune(tmp_path, kept, limit=2500)
+    deleted = store.prune(tmp_path, kept, limit=2500)
     assert deleted == [paths[2], paths[1]]  # 4,000 bytes: two go (never the kept one) to reach 2,000
     assert sorted(tmp_path.glob("*.so")) == [paths[0], paths[3]]
-    assert compiled.prune(tmp_path, kept, limit=2000) == []  # within the limit: nothing more
+    assert store.prune(tmp_path, kept, limit=2000) == []  # within the limit: nothing more
 
 
 def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatch):
     monkeypatch.delenv("GPTGEN_CACHE_MAX_GB", raising=False)
-    assert compiled.cache_limit_bytes() == 8 * 2**30
+    assert store.cache_limit_bytes() == 8 * 2**30
     monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", "0.5")
-    assert compiled.cache_limit_bytes() == 2**29
+    assert store.cache_limit_bytes() == 2**29
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("GPTGEN_CACHE_MAX_GB", bad)
         with pytest.raises(ValueError, match=r"GPTGEN_CACHE_MAX_GB=.* is not a number of GiB"):
-            compiled.cache_limit_bytes()
+            store.cache_limit_bytes()
 
 
 def test_jit_step_compiles_once_and_matches_the_full_forward():

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
+from generate.engine import store
 from model import GPT, KVCache
 from model.attention import CHUNK
 
@@ -58,7 +59,6 @@ CPU_OPTIONS = {
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
 COMPILE_FIXED_BYTES = 512 * 2**20
 COMPILE_BYTES_PER_WEIGHT_BYTE = 15
-DEFAULT_CACHE_MAX_GB = 8.0
 
 
 def check_compile_memory(model: GPT) -> None:
@@ -75,30 +75,6 @@ def check_compile_memory(model: GPT) -> None:
             f"{free / 2**30:.1f} GiB are available; generate without compiling (compile=False, no --compile) "
             "or in a smaller dtype (bfloat16, int8, int4)"
         )
-
-
-def cache_dir() -> Path:
-    """Where compiled steps are kept: ``$GPTGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gptgen``
-    (default ``~/.cache/gptgen``)."""
-    if os.environ.get("GPTGEN_CACHE_DIR"):
-        return Path(os.environ["GPTGEN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptgen"
-
-
-def cache_limit_bytes() -> int:
-    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8); ValueError for a
-    setting that is not a number of GiB, 0 or more."""
-    text = os.environ.get("GPTGEN_CACHE_MAX_GB", "").strip()
-    try:
-        gib = float(text) if text else DEFAULT_CACHE_MAX_GB
-    except ValueError:
-        gib = -1.0
-    if not gib >= 0:  # (NaN too)
-        raise ValueError(
-            f"GPTGEN_CACHE_MAX_GB={text!r} is not a number of GiB; set it to 0 or more (default "
-            f"{DEFAULT_CACHE_MAX_GB:g}) or unset it"
-        )
-    return int(min(gib, 2.0**40) * 2**30)
 
 
 def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
@@ -176,7 +152,7 @@ def _chunks(count: int, device: torch.device) -> torch.Tensor:
 def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: int) -> None:
     """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _use_inductor_cache()
+    store.use_inductor_cache()
     rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {width} tokens" if width > 1 else "")
     what = (f"compiling the decode step ({rows} x {cache.max_len} positions; a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
@@ -209,91 +185,27 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         os.replace(library, path)
 
 
-def _use_inductor_cache() -> None:
-    """Point inductor's own cache (autotuning's results, compiled kernels) into ours, if it can be made."""
-    directory = cache_dir() / "inductor"
-    with contextlib.suppress(OSError):
-        directory.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
-
-
-def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
-    """Delete the least recently used libraries in ``directory`` (by modification time, which each load
-    renews) until they take at most ``limit`` bytes, never ``keep``. Returns the libraries deleted."""
-    libraries = []
-    for path in directory.glob("*.so"):
-        with contextlib.suppress(OSError):
-            libraries.append((path.stat().st_mtime, path.stat().st_size, path))
-    total, deleted = sum(size for _, size, _ in libraries), []
-    for _, size, path in sorted(libraries):
-        if total <= limit:
-            break
-        if path != keep:
-            with contextlib.suppress(OSError):
-                path.unlink()
-                total -= size
-                deleted.append(path)
-                log.info("removed %s (compiled steps kept within %.1f GiB)", path, limit / 2**30)
-    return deleted
-
-
-def _load(path: Path) -> Callable[..., torch.Tensor] | None:
-    """The library at ``path`` loaded (what ``aoti_load_package`` runs once it has unpacked a package), or
-    None where there is none or it does not load (a damaged file is compiled again and replaced)."""
-    if not path.exists():
-        return None
-    try:
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
-    except Exception as e:
-        log.warning("could not load %s (%s); compiling it again", path, e)
-        return None
-    with contextlib.suppress(OSError):
-        os.utime(path)  # last used: what prune() goes by
-    return lambda *inputs: runner.run(list(inputs))[0]
-
-
-@contextlib.contextmanager
-def _compile_lock(path: Path) -> Iterator[None]:
-    """Hold ``<key>.lock`` (an exclusive ``flock``) while this step compiles, so two processes wanting the
-    same step compile it once (the second then loads the first's). Without ``fcntl`` or a writable folder,
-    no lock."""
-    try:
-        import fcntl
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (closed below)
-    except (ImportError, OSError):
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The CPU step: loaded from the cache directory, compiled first if it is not there."""
-    limit = cache_limit_bytes()  # (a bad setting refused before a compile, not after)
-    path = cache_dir() / "steps" / f"{step_key(model, cache, width)}.so"
-    step = _load(path)
+    limit = store.cache_limit_bytes()  # (a bad setting refused before a compile, not after)
+    path = store.cache_dir() / "steps" / f"{step_key(model, cache, width)}.so"
+    step = store.load(path)
     if step is None:
         check_compile_memory(model)  # (before the lock: a refusal writes nothing)
         try:
-            with _compile_lock(path):
-                step = _load(path)  # another process may have compiled it meanwhile
+            with store.compile_lock(path):
+                step = store.load(path)  # another process may have compiled it meanwhile
                 if step is None:
                     _package(model, cache, path, progress, width)
-                    step = _load(path)
-                    prune(path.parent, path, limit)
+                    step = store.load(path)
+                    store.prune(path.parent, path, limit)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
             advice = "set GPTGEN_CACHE_DIR to a writable directory to keep it"
             log.warning("could not keep the compiled step in %s (%s); compiling it for this process only "
                         "(%s)", path.parent, e, advice)  # fmt: skip
             directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
             _package(model, cache, directory / path.name, progress, width)
-            step = _load(directory / path.name)
+            step = store.load(directory / path.name)
             shutil.rmtree(directory, ignore_errors=True)  # (the loaded library stays mapped)
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
@@ -309,7 +221,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once. It reads
     the whole cache whatever span it is given (one graph; the bits are the same, see the runner)."""
-    _use_inductor_cache()
+    store.use_inductor_cache()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return _forward(model, cache, tokens, positions, cache.max_len)
@@ -325,7 +237,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
         torch._inductor.config.patch({} if cuda else CPU_OPTIONS),
     ):
         tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
-        positions = torch.arange(width, device=model.device).expand(cache.slots, width)
+        positions = torch.arange(width, device=model.device).repeat(cache.slots, 1)
         compiled(tokens, positions)  # writes the first positions of every slot (cleared on join)
     return lambda tokens, positions, span: compiled(tokens, positions)
 

@@ -17,13 +17,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from generate.engine.memory import available_memory, out_of_memory, said_plainly
+from generate.engine.memory import check_engine_memory, out_of_memory, said_plainly
 from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
 from generate.engine.sampling import sample_row, uniform
 from generate.engine.speculate import Speculator
-from model import GPT, GPTConfig, KVCache
-from model.attention import CHUNK
+from model import GPT, KVCache
 
 
 class GenerationError(RuntimeError):
@@ -37,39 +36,10 @@ def raise_errors(requests: list[Request]) -> None:
             raise GenerationError(r.error)
 
 
-# Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
-# and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
-# first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
-VOCAB_BYTES_PER_ROW = 48
 # Prompt positions a step prefills at most (one chunk of a prompt, or several short prompts); a prompt is cut
 # into chunks at multiples of it, so its bits depend on the prompt alone.
 PREFILL_CHUNK = 32
 OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
-
-
-def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
-    """Memory an engine needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
-    penalty counts) and one prefill's activations (attention scores included)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
-    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
-    per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
-    # (the cached attention holds three fp32 (n_head, T, T) tensors at its peak: scores, masked, softmax)
-    prefill = prompt_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * prompt_len * 4)
-    return cache + per_row_vocab + prefill
-
-
-def _check_memory(
-    config: GPTConfig, slots: int, cache_len: int, dtype: torch.dtype, device: torch.device
-) -> None:
-    needed, free = request_bytes(config, slots, cache_len, cache_len, dtype), available_memory(device)
-    if free is not None and needed > free:
-        raise MemoryError(
-            f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "
-            f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "
-            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer slots (prompts run at once) "
-            "or fewer new tokens"
-        )
 
 
 class Engine:
@@ -119,7 +89,7 @@ class Engine:
             )
         if compile:  # one compiled step serves every length: its cache holds the whole window
             max_len = cfg.n_positions
-        _check_memory(cfg, slots, max_len, model.compute_dtype, model.device)
+        check_engine_memory(cfg, slots, max_len, model.compute_dtype, model.device)
         self.model, self.token_bytes, self.speculator = model, token_bytes, speculate
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from model import GPTConfig, KVCache
+from model.attention import CHUNK
+
 CGROUP_DIR = Path("/sys/fs/cgroup")  # cgroup v2's files (v1 keeps its memory files under memory/)
 
 
@@ -101,3 +104,35 @@ def _cgroup_room() -> int | None:
             usage = _read_number(CGROUP_DIR / usage_file) or 0
             return limit - usage
     return None
+
+
+# Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
+# and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
+# first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
+VOCAB_BYTES_PER_ROW = 48
+
+
+def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
+    """Memory an engine needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
+    penalty counts) and one prefill's activations (attention scores included)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
+    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
+    per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
+    # (the cached attention holds three fp32 (n_head, T, T) tensors at its peak: scores, masked, softmax)
+    prefill = prompt_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * prompt_len * 4)
+    return cache + per_row_vocab + prefill
+
+
+def check_engine_memory(
+    config: GPTConfig, slots: int, cache_len: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit."""
+    needed, free = request_bytes(config, slots, cache_len, cache_len, dtype), available_memory(device)
+    if free is not None and needed > free:
+        raise MemoryError(
+            f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "
+            f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "
+            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer slots (prompts run at once) "
+            "or fewer new tokens"
+        )

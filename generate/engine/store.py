@@ -1,0 +1,104 @@
+"""The compiled steps' store on disk: where libraries are kept, loading one, one compile at a time, and
+keeping the folder within its size limit (least recently used first)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("gptgen")
+
+DEFAULT_CACHE_MAX_GB = 8.0
+
+
+def cache_dir() -> Path:
+    """Where compiled steps are kept: ``$GPTGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gptgen``
+    (default ``~/.cache/gptgen``)."""
+    if os.environ.get("GPTGEN_CACHE_DIR"):
+        return Path(os.environ["GPTGEN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptgen"
+
+
+def cache_limit_bytes() -> int:
+    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8); ValueError for a
+    setting that is not a number of GiB, 0 or more."""
+    text = os.environ.get("GPTGEN_CACHE_MAX_GB", "").strip()
+    try:
+        gib = float(text) if text else DEFAULT_CACHE_MAX_GB
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # (NaN too)
+        raise ValueError(
+            f"GPTGEN_CACHE_MAX_GB={text!r} is not a number of GiB; set it to 0 or more (default "
+            f"{DEFAULT_CACHE_MAX_GB:g}) or unset it"
+        )
+    return int(min(gib, 2.0**40) * 2**30)
+
+
+def use_inductor_cache() -> None:
+    """Point inductor's own cache (autotuning's results, compiled kernels) into ours, if it can be made."""
+    directory = cache_dir() / "inductor"
+    with contextlib.suppress(OSError):
+        directory.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
+
+
+def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
+    """Delete the least recently used libraries in ``directory`` (by modification time, which each load
+    renews) until they take at most ``limit`` bytes, never ``keep``. Returns the libraries deleted."""
+    libraries = []
+    for path in directory.glob("*.so"):
+        with contextlib.suppress(OSError):
+            libraries.append((path.stat().st_mtime, path.stat().st_size, path))
+    total, deleted = sum(size for _, size, _ in libraries), []
+    for _, size, path in sorted(libraries):
+        if total <= limit:
+            break
+        if path != keep:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                total -= size
+                deleted.append(path)
+                log.info("removed %s (compiled steps kept within %.1f GiB)", path, limit / 2**30)
+    return deleted
+
+
+def load(path: Path) -> Callable[..., torch.Tensor] | None:
+    """The library at ``path`` loaded (what ``aoti_load_package`` runs once it has unpacked a package), or
+    None where there is none or it does not load (a damaged file is compiled again and replaced)."""
+    if not path.exists():
+        return None
+    try:
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    except Exception as e:
+        log.warning("could not load %s (%s); compiling it again", path, e)
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # last used: what prune() goes by
+    return lambda *inputs: runner.run(list(inputs))[0]
+
+
+@contextlib.contextmanager
+def compile_lock(path: Path) -> Iterator[None]:
+    """Hold ``<key>.lock`` (an exclusive ``flock``) while this step compiles, so two processes wanting the
+    same step compile it once (the second then loads the first's). Without ``fcntl`` or a writable folder,
+    no lock."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 (closed below)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
