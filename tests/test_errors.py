@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import checkpoints
-import generate.engine.engine
+import generate.engine.memory
 from generate.tools.cli import main
 from helpers import make_model
 from model import GPTConfig
@@ -248,7 +248,7 @@ def test_runtime_nan_and_fp16_overflow_are_reported(ckpt, tmp_path, capsys, monk
 
 
 def test_request_too_big_for_memory_is_refused_up_front(ckpt, capsys, monkeypatch):
-    monkeypatch.setattr(generate.engine.engine, "available_memory", lambda device: 10_000)
+    monkeypatch.setattr(generate.engine.memory, "available_memory", lambda device: 10_000)
     code, out, err = run(["hi", "-c", ckpt], capsys, monkeypatch)
     assert code == 1 and out == ""
     assert_one_line_error(err, r"needs about [\d,]+ MiB .*only 0 MiB are available on cpu; use fewer slots")

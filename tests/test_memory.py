@@ -80,8 +80,8 @@ def test_other_errors_are_not_taken_for_the_allocators(error):
 # and turns off the up-front check, so the allocator itself fails mid-generation.
 _OUT_OF_MEMORY = """
 import resource, sys
-import generate, generate.tools.cli, generate.engine.engine
-generate.engine.engine.available_memory = lambda device: None
+import generate, generate.tools.cli, generate.engine.memory
+generate.engine.memory.available_memory = lambda device: None
 with open("/proc/self/status") as f:
     size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
 resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20, resource.RLIM_INFINITY))
