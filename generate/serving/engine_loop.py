@@ -154,11 +154,11 @@ class EngineLoop:
             self._lock.notify()
 
     def admit(self, waiting: int = 0) -> None:
-        """Admit one more piece of work that runs through :meth:`call` (an attention request), as
-        :meth:`submit` admits a request: ``waiting`` such pieces already wait or run beside the queue.
+        """Admit one more piece of work that runs through :meth:`call` (an attention request) as
+        :meth:`submit` admits a request: ``waiting`` such pieces already wait for their turn.
 
         Raises:
-            QueueFull: if the requests waiting for a slot and ``waiting`` reach ``max_queue``.
+            QueueFull: if the requests waiting for a slot and the ``waiting`` pieces reach ``max_queue``.
             Stopping: if the server is shutting down.
         """
         with self._lock:

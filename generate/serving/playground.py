@@ -145,8 +145,8 @@ class _Attention:
 
     def __init__(self, read: Read, encoder: Callable[[Generator], Callable[[str], list[int]]], name: str):
         self.read, self.encoder, self.name = read, encoder, name
-        self.admitted = 0  # requests admitted and not yet computed
-        self.turns: asyncio.Semaphore | None = None  # at most a slot count of them compute at once
+        self.turns: asyncio.Semaphore | None = None  # at most a slot count of requests compute at once
+        self.waiting = 0  # requests admitted that wait for a turn
 
     async def __call__(self, request: HTTPRequest, note: dict) -> Response:
         gen, loop, body = await self.read(request)
@@ -162,29 +162,33 @@ class _Attention:
         return StreamingResponse(_pieces(head, job.weights, note), media_type="application/json")
 
     async def _compute(self, job: AttentionJob, loop: EngineLoop, request: HTTPRequest, note: dict) -> None:
+        """Admit the job as a request (its wait for a turn counts in the queue), then run its calls."""
         try:
-            loop.admit(self.admitted)
+            loop.admit(self.waiting)
         except QueueFull as e:
             raise oa.APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
         except Stopping:
             raise _shutting_down() from None
         self.turns = self.turns or asyncio.Semaphore(loop.engine.slots)
-        self.admitted += 1
+        self.waiting += 1
         try:
-            async with self.turns:
-                while not job.done:
-                    if loop.ending:
-                        raise _shutting_down()
-                    if await request.is_disconnected():
-                        note["cancelled"] = True
-                        raise oa.APIError("the client went away", status=499, code="cancelled")
-                    await loop.call(job.step)
+            await self.turns.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            while not job.done:
+                if loop.ending:
+                    raise _shutting_down()
+                if await request.is_disconnected():
+                    note["cancelled"] = True
+                    raise oa.APIError("the client went away", status=499, code="cancelled")
+                await loop.call(job.step)
         except Stopping:
             raise _shutting_down() from None
         except (MemoryError, RuntimeError, ValueError) as e:
             raise oa.APIError(str(e), status=500, type="server_error", code="attention_failed") from None
         finally:
-            self.admitted -= 1
+            self.turns.release()
 
 
 def _shutting_down() -> oa.APIError:
