@@ -122,8 +122,12 @@ async function textIds() {
   const eot = generated.length > 0 && generated[generated.length - 1].piece === EOT;
   const pieces = generated.slice(0, eot ? -1 : undefined).map((t) => bytesOf(t.piece));
   const bytes = new Uint8Array(pieces.reduce((n, b) => n + b.length, 0));
-  pieces.reduce((at, b) => (bytes.set(b, at), at + b.length), 0);
-  const text = new TextDecoder().decode(bytes);
+  let at = 0;
+  for (const b of pieces) {
+    bytes.set(b, at);
+    at += b.length;
+  }
+  const text = new TextDecoder().decode(bytes); // (the generated tokens' text, stop strings included)
   const rest = text ? (await call("/tokenize", { prompt: text })).tokens : [];
   return [...promptIds, ...rest, ...(eot ? (await call("/tokenize", { prompt: "" })).tokens : [])];
 }

@@ -3,17 +3,11 @@
 // Everything comes from POST /v1/attention on the token ids of the text.
 
 import { call } from "./api.js";
+import { paintMatrix, strip, weightColor } from "./heatmap.js";
 import { bytesOf, h, percent, visible } from "./text.js";
 
 const CELLS_AS_ELEMENTS = 96; // tokens up to which the matrix is elements (above: drawn on a canvas)
 const LABELS = 48; // tokens up to which the matrix's rows and columns are labelled (if the cells are not tiny)
-
-/** The colour of an attention weight: pale to dark blue, by its square root (small weights stay visible). */
-export function weightColor(w) {
-  const t = Math.sqrt(Math.max(0, Math.min(1, w)));
-  const mix = (a, b) => Math.round(a + (b - a) * t);
-  return `rgb(${mix(246, 8)} ${mix(249, 48)} ${mix(253, 107)})`;
-}
 
 /** Where each token starts in the text's bytes. */
 function starts(pieces) {
@@ -40,9 +34,15 @@ export class AttentionView {
       const on = this.maskToggle.getAttribute("aria-pressed") !== "true";
       this.maskToggle.setAttribute("aria-pressed", String(on));
       this.box.classList.toggle("mask-mode", on);
+      this.describeMatrix();
     });
     this.box.addEventListener("mouseover", (e) => this.hoverCell(e.target.closest(".cell")));
     this.box.addEventListener("mouseleave", () => tip.hide());
+    let resized = null; // the matrix fits the window again once it stops changing size
+    window.addEventListener("resize", () => {
+      clearTimeout(resized);
+      resized = setTimeout(() => this.matrices && !this.root.hidden && this.drawMatrix(), 200);
+    });
     this.hide();
   }
 
@@ -127,6 +127,9 @@ export class AttentionView {
     const T = this.tokens.length;
     document.getElementById("strips-title").textContent =
       `Token ${q}, “${visible(this.tokens[q])}”, as the query: its weights per layer (rows) and head (columns)`;
+    document.getElementById("query-line").textContent = q + 1 < T
+      ? `The model's output at this position chose the next token, ${this.label(q + 1)}.`
+      : "The last token: the model's output here would choose the next one.";
     const grid = [h("span"), ...row.heads.map((hd) => h("span", { class: "strip-head" }, `head ${hd}`))];
     row.weights.forEach((heads, l) => {
       grid.push(h("span", { class: "strip-layer" }, `layer ${l}`));
@@ -148,12 +151,14 @@ export class AttentionView {
   drawEnlarged() {
     const { q } = this;
     const weights = this.row.weights[this.layer][this.head][0];
-    document.getElementById("enlarged-title").textContent = `Layer ${this.layer}, head ${this.head}, enlarged`;
-    const items = weights.slice(0, q + 1).map((w, k) => {
+    document.getElementById("enlarged-title").textContent =
+      `Layer ${this.layer}, head ${this.head}, enlarged: the largest weights first`;
+    const keys = weights.slice(0, q + 1).map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]);
+    const items = keys.map(([w, k]) => {
       const bar = h("span", { class: "bar" });
       bar.style.width = `${(100 * w).toFixed(2)}%`;
       bar.style.backgroundColor = weightColor(w);
-      return h("li", { class: k === q ? "self" : "" }, h("span", { class: "key" }, this.label(k)),
+      return h("li", k === q ? { class: "self" } : {}, h("span", { class: "key" }, this.label(k)),
         h("span", { class: "track" }, bar), h("span", { class: "value" }, percent(w)));
     });
     const later = this.tokens.length - q - 1;
@@ -176,10 +181,19 @@ export class AttentionView {
     const fit = (room) => Math.max(3, Math.min(22, Math.floor((this.box.clientWidth - room) / T)));
     const labels = T <= LABELS && fit(90) >= 12; // (smaller rows cannot hold a readable label)
     const cell = fit(labels ? 90 : 0);
-    this.caption.textContent = `Each row sums to 1. Cells above the diagonal are the future: masked (hatched), ` +
-      `weight 0. Row ${this.q} is the selected token.` + (T > CELLS_AS_ELEMENTS ? ` ${T} tokens: drawn as ` +
-      "an image; hover it to read a cell." : "");
     this.box.replaceChildren(T > CELLS_AS_ELEMENTS ? this.canvasMatrix(m, cell) : this.cellMatrix(m, cell, labels));
+    this.describeMatrix();
+  }
+
+  describeMatrix() {
+    const T = this.tokens.length;
+    const mask = this.box.classList.contains("mask-mode");
+    this.caption.textContent = (mask
+      ? "The causal mask, added to the scores before the softmax: 0 where a query may look (itself and every " +
+        "earlier token), −∞ above the diagonal (every later token), which the softmax turns into weight 0."
+      : `Each row sums to 1. Cells above the diagonal are the future: masked (hatched), weight 0. Row ${this.q} ` +
+        "is the selected token.") + (T > CELLS_AS_ELEMENTS ? ` ${T} tokens: drawn as an image${mask ? " of the " +
+        "weights" : ""}; hover it to read a cell.` : "");
   }
 
   cellMatrix(m, cell, labels) {
@@ -210,24 +224,13 @@ export class AttentionView {
     const T = m.length;
     const canvas = h("canvas", { class: "matrix-canvas", role: "img",
       "aria-label": `attention matrix of layer ${this.layer}, head ${this.head}: ${T} by ${T}` });
-    canvas.width = canvas.height = T * cell;
-    const ctx = canvas.getContext("2d");
-    for (let q = 0; q < T; q++) {
-      for (let k = 0; k <= q; k++) {
-        ctx.fillStyle = weightColor(m[q][k]);
-        ctx.fillRect(k * cell, q * cell, cell, cell);
-      }
-    }
-    ctx.beginPath(); // the future: above the diagonal
-    for (let q = 0; q + 1 < T; q++) ctx.rect((q + 1) * cell, q * cell, (T - q - 1) * cell, cell);
-    hatch(ctx, T * cell, T * cell);
-    ctx.strokeStyle = "#d33";
-    ctx.strokeRect(0, this.q * cell, T * cell, cell);
+    paintMatrix(canvas, m, cell, this.q);
     canvas.addEventListener("mousemove", (e) => {
       const r = canvas.getBoundingClientRect();
       const k = Math.floor(((e.clientX - r.left) / r.width) * T);
       const q = Math.floor(((e.clientY - r.top) / r.height) * T);
-      if (q >= 0 && q < T && k >= 0 && k < T) this.tip.show(canvas, ...this.describe(q, k, m[q][k]));
+      const at = { getBoundingClientRect: () => new DOMRect(e.clientX, e.clientY + 8, 1, 1) };
+      if (q >= 0 && q < T && k >= 0 && k < T) this.tip.show(at, ...this.describe(q, k, m[q][k]));
     });
     return canvas;
   }
@@ -248,41 +251,4 @@ export class AttentionView {
     }
     return lines;
   }
-}
-
-/** One strip: a query's weights over every key, the masked future hatched (drawn at twice its CSS size). */
-function strip(weights, q, T) {
-  const canvas = h("canvas", { class: "strip-canvas" });
-  const [width, height] = [176, 28];
-  canvas.width = width;
-  canvas.height = height;
-  const ctx = canvas.getContext("2d");
-  const x = (k) => Math.round((k * width) / T);
-  for (let k = 0; k <= q; k++) {
-    ctx.fillStyle = weightColor(weights[k]);
-    ctx.fillRect(x(k), 0, Math.max(1, x(k + 1) - x(k)), height);
-  }
-  if (q + 1 < T) {
-    ctx.beginPath();
-    ctx.rect(x(q + 1), 0, width - x(q + 1), height);
-    hatch(ctx, width, height);
-  }
-  return canvas;
-}
-
-/** Hatch the current path (the masked future) as the page's CSS does. */
-function hatch(ctx, width, height) {
-  ctx.save();
-  ctx.clip();
-  ctx.fillStyle = "#e4e7eb";
-  ctx.fillRect(0, 0, width, height);
-  ctx.strokeStyle = "#b4bac3";
-  ctx.lineWidth = 1.5;
-  ctx.beginPath();
-  for (let x = -height; x < width; x += 7) {
-    ctx.moveTo(x, height);
-    ctx.lineTo(x + height, 0);
-  }
-  ctx.stroke();
-  ctx.restore();
 }

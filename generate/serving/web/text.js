@@ -15,9 +15,11 @@ export function percent(p) {
   return p >= 0.9995 ? "100%" : p >= 0.1 ? `${(100 * p).toFixed(1)}%` : `${(100 * p).toPrecision(2)}%`;
 }
 
-/** The background of a token the model gave probability `p`: red (unlikely) to green (likely). */
-export function shade(p) {
-  return `hsl(${Math.round(120 * p)} 75% ${Math.round(78 + 12 * p)}%)`;
+/** The background of a token the model gave log-probability `logprob`: red (p <= 1e-4) through yellow
+ * (p = 0.01) to green (p = 1), on a log scale (most tokens of real text have p between 1e-3 and 0.5). */
+export function shade(logprob) {
+  const t = Math.max(0, Math.min(1, 1 + logprob / Math.LN10 / 4));
+  return `hsl(${Math.round(120 * t)} 75% ${Math.round(78 + 12 * t)}%)`;
 }
 
 /** The UTF-8 bytes a token string stands for (OpenAI writes part of a character as `bytes:\xNN...`). */
@@ -105,7 +107,9 @@ export class Transcript {
       this.add("generated", piece, lp.token_logprobs[i], lp.top_logprobs[i], start);
     });
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
+    const atEnd = this.root.scrollTop + this.root.clientHeight >= this.root.scrollHeight - 4;
     this.render("generated");
+    if (atEnd) this.root.scrollTop = this.root.scrollHeight; // follow the text unless the reader scrolled up
   }
 
   get generated() {
@@ -117,7 +121,7 @@ export class Transcript {
     const el = h("span", { class: `tok ${kind}`, "data-testid": "token", "data-index": index, "data-kind": kind,
       "data-text": piece, role: "button", "aria-pressed": "false", tabindex: index === 0 ? "0" : "-1" });
     if (kind === "generated") el.dataset.logprob = String(logprob);
-    if (logprob !== null && logprob !== undefined) el.style.backgroundColor = shade(Math.exp(logprob));
+    if (logprob !== null && logprob !== undefined) el.style.backgroundColor = shade(logprob);
     el.setAttribute("aria-label", `token ${index}: ${visible(piece)}`);
     (kind === "prompt" ? this.promptEl : this.outputEl).append(el);
     this.tokens.push({ index, kind, piece, logprob, top, start, el });
@@ -170,10 +174,10 @@ export class Transcript {
     }
     lines.push(h("div", {}, `p = ${percent(Math.exp(t.logprob))} · logprob ${t.logprob.toFixed(4)}`));
     const rows = Object.entries(t.top || {}).sort((a, b) => b[1] - a[1]);
-    if (rows.length) {
+    if (rows.length) { // (bars relative to the likeliest)
       lines.push(h("table", { class: "alts" }, ...rows.map(([piece, lp]) => {
         const bar = h("span", { class: "bar" });
-        bar.style.width = `${Math.max(1, Math.round(80 * Math.exp(lp)))}px`;
+        bar.style.width = `${Math.max(1, Math.round(80 * Math.exp(lp - rows[0][1])))}px`;
         return h("tr", piece === t.piece ? { class: "chosen" } : {}, h("td", {}, visible(piece)),
           h("td", {}, bar), h("td", {}, percent(Math.exp(lp))));
       })));
