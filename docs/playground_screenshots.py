@@ -36,7 +36,8 @@ def generate(page: Page, max_tokens: int) -> None:
 
 
 def main() -> None:
-    command = [sys.executable, "-m", "generate.tools.gptgen", "playground", "--port", "0"]
+    # (one slot: a lone user's steps compute one row, not eight)
+    command = [sys.executable, "-m", "generate.tools.gptgen", "playground", "--port", "0", "--max-slots", "1"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = re.search(r"listening on (http://\S+)", server.stderr.readline()).group(1)
     try:

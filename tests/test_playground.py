@@ -195,6 +195,9 @@ def test_a_selected_token_shows_the_offline_attention_with_the_future_masked(pag
     page.wait_for_function(f"() => {first}.layer === '5' && {first}.head === '2'")
     check_matrix(cells(page), want, 5, 2)
     assert page.locator(".strip").count() == want.shape[0] * want.shape[1]
+    page.locator('.strip[data-layer="7"][data-head="3"]').click()  # a strip enlarges its head
+    page.wait_for_function(f"() => {first}.layer === '7' && {first}.head === '3'")
+    check_matrix(cells(page), want, 7, 3)
     page.locator("#mask-toggle").click()
     assert page.locator("#matrix").get_attribute("class").split()[-1] == "mask-mode"
 
@@ -365,3 +368,24 @@ def test_the_shipped_files_name_no_other_server():
 def test_the_playground_command_says_where_the_page_is(server):
     port = server.url.rsplit(":", 1)[1]
     assert server.lines[1] == f"gptgen playground: the playground is at http://127.0.0.1:{port}/\n"
+
+
+def test_playground_open_says_and_opens_the_address(monkeypatch, capsys):
+    import webbrowser
+
+    from generate.tools import serve
+
+    assert "--open" in serve.build_parser(playground=True).format_help()
+    assert "--open" not in serve.build_parser().format_help()
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url) or len(opened) < 3)
+    serve._announce("gptgen playground", "0.0.0.0", 8123, True)
+    serve._announce("gptgen playground", "::", 8123, True)
+    assert opened == ["http://127.0.0.1:8123/", "http://[::1]:8123/"]
+    serve._announce("gptgen playground", "127.0.0.1", 8123, True)  # no browser here
+    assert capsys.readouterr().err.splitlines() == [
+        "gptgen playground: the playground is at http://127.0.0.1:8123/",
+        "gptgen playground: the playground is at http://[::1]:8123/",
+        "gptgen playground: the playground is at http://127.0.0.1:8123/",
+        "gptgen playground: no web browser could be opened here; open http://127.0.0.1:8123/ yourself",
+    ]

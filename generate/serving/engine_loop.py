@@ -166,8 +166,8 @@ class EngineLoop:
                 raise Stopping(SHUTDOWN)
             if self.queued + waiting >= self.max_queue:
                 raise QueueFull(
-                    f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
-                    f"slots and {waiting} attention requests, limit {self.max_queue}); retry later"
+                    f"the server's queue is full ({self.queued} requests waiting for a slot and {waiting} "
+                    f"attention requests for a turn, limit {self.max_queue}); retry later"
                 )
 
     async def call(self, fn: Callable[[], Any]) -> Any:

@@ -98,7 +98,7 @@ async function generate() {
     status(`Done: ${n} tokens in ${seconds.toFixed(1)} s, ended by ${why[transcript.finishReason] ||
       transcript.finishReason}. Select a token to see its attention.`);
   } catch (e) {
-    transcript.finish();
+    transcript.finish(e.name === "AbortError");
     if (e.name === "AbortError") status(`Stopped after ${transcript.generated.length} tokens.`);
     else {
       status("");

@@ -136,9 +136,9 @@ export class AttentionView {
       heads.forEach((rows, hd) => {
         const weights = rows[0];
         const top = weights.indexOf(Math.max(...weights));
-        const button = h("button", { type: "button", class: "strip", "aria-pressed": String(l === this.layer &&
-          hd === this.head), "aria-label": `layer ${l}, head ${hd}: most weight on ${this.label(top)}, ` +
-          `${percent(weights[top])}`, title: `layer ${l}, head ${hd}: most on ${this.label(top)}` });
+        const most = `layer ${l}, head ${hd}: most weight on ${this.label(top)}, ${percent(weights[top])}`;
+        const button = h("button", { type: "button", class: "strip", "data-layer": l, "data-head": hd,
+          "aria-pressed": String(l === this.layer && hd === this.head), "aria-label": most, title: most });
         button.append(strip(weights, q, T));
         button.addEventListener("click", () => this.choose(l, hd));
         grid.push(button);

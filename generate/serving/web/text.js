@@ -83,6 +83,7 @@ export class Transcript {
     this.settled = { prompt: 0, generated: 0 }; // tokens of each part whose text is final
     this.base = null; // the first generated token's text_offset: where the generated text starts
     this.finishReason = null;
+    this.stopped = false;
     this.selected = null;
     this.promptEl.replaceChildren();
     this.outputEl.replaceChildren();
@@ -139,8 +140,9 @@ export class Transcript {
     }
   }
 
-  /** The end: tokens past the text (the end-of-text token, a stop string's) show their text struck out. */
-  finish() {
+  /** The end (`stopped`: by the Stop button): tokens past the text show their text struck out. */
+  finish(stopped = false) {
+    this.stopped = stopped;
     this.render("generated");
     this.markCut("generated");
   }
@@ -165,9 +167,10 @@ export class Transcript {
   describe(t) {
     const lines = [h("div", { class: "tip-token" }, visible(t.piece)),
       h("div", { class: "muted" }, `token ${t.index} · ${t.kind}`)];
-    if (t.el.dataset.rest !== undefined) lines.push(h("div", { class: "muted" }, `Not in the text: ${t.kind === "prompt"
-      ? "an empty prompt starts from the end-of-text token" : t.piece === EOT
-        ? "the end-of-text token ended the text" : "part of a stop string, which is not returned"}.`));
+    const why = t.kind === "prompt" ? "an empty prompt starts from the end-of-text token"
+      : this.stopped ? "Stop came while it was held back (a stop string's start, or part of a character)"
+        : t.piece === EOT ? "the end-of-text token ended the text" : "part of a stop string, which is not returned";
+    if (t.el.dataset.rest !== undefined) lines.push(h("div", { class: "muted" }, `Not in the text: ${why}.`));
     if (t.logprob === null || t.logprob === undefined) {
       lines.push(h("div", {}, "The first token: nothing before it predicts it."));
       return lines;
