@@ -53,7 +53,7 @@ function body() {
   const request = { prompt: $("prompt").value, stream: true, echo: true, logprobs: ALTERNATIVES };
   for (const [id, field] of FIELDS) {
     const input = $(id);
-    if (input.validity.badInput) throw new ServerError(`${field}: "${input.value}" is not a number`, { param: field });
+    if (input.validity.badInput) throw new ServerError(`${field}: it must be a number`, { param: field });
     if (input.value.trim() !== "") request[field] = Number(input.value);
   }
   const unescape = (s) => s.replace(/\\(n|t|\\)/g, (_, c) => ({ n: "\n", t: "\t", "\\": "\\" })[c]);
