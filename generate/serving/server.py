@@ -362,7 +362,7 @@ def build_app(settings: Settings) -> Starlette:
 
     async def read(request: HTTPRequest) -> tuple[Generator, EngineLoop, object]:
         gen, loop = state.ready()
-        body = await _read_json(request, settings.max_body)
+        body = await _read_json(request, settings)
         _check_model(state, body)
         return gen, loop, body
 
