@@ -40,7 +40,8 @@ def test_help_lists_every_command_and_exits_0(flag, capsys):
     captured = capsys.readouterr()
     assert captured.out.startswith("usage: gptgen COMMAND")
     assert all(
-        f"\n  {name} " in captured.out for name in ("generate", "serve", "score", "attention", "batch")
+        f"\n  {name} " in captured.out
+        for name in ("generate", "serve", "playground", "score", "attention", "batch")
     )
     assert captured.err == ""
 
@@ -57,8 +58,8 @@ def test_an_unknown_command_exits_2_with_one_line_naming_it(capsys):
     captured = capsys.readouterr()
     line = one_line(captured.err)
     assert (
-        line
-        == "gptgen: error: unknown command 'genrate'; choose one of generate, serve, score, attention, batch"
+        line == "gptgen: error: unknown command 'genrate'; choose one of generate, serve, playground, score, "
+        "attention, batch"
     )
     assert captured.out == ""
 

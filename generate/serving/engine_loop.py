@@ -41,6 +41,10 @@ class Stopping(Exception):
 SHUTDOWN = "the server is shutting down; retry on another server or later"
 
 
+def _refuse() -> None:
+    raise Stopping(SHUTDOWN)
+
+
 @dataclass
 class Update:
     """What one step gave one request (``index`` is its place among its HTTP request's choices)."""
@@ -149,12 +153,31 @@ class EngineLoop:
             self._cancels += requests
             self._lock.notify()
 
+    def admit(self, waiting: int = 0) -> None:
+        """Admit one more piece of work that runs through :meth:`call` (an attention request) as
+        :meth:`submit` admits a request: ``waiting`` such pieces already wait for their turn.
+
+        Raises:
+            QueueFull: if the requests waiting for a slot and the ``waiting`` pieces reach ``max_queue``.
+            Stopping: if the server is shutting down.
+        """
+        with self._lock:
+            if self._closed or self._deadline is not None:
+                raise Stopping(SHUTDOWN)
+            if self.queued + waiting >= self.max_queue:
+                raise QueueFull(
+                    f"the server's queue is full ({self.queued} requests waiting for a slot and {waiting} "
+                    f"attention requests for a turn, limit {self.max_queue}); retry later"
+                )
+
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the engine's thread between steps (e.g. a forward pass for prompt logprobs), one
-        call between two steps."""
+        call between two steps. Raises :class:`Stopping` once :meth:`close` was called."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
+            if self._closed:
+                raise Stopping(SHUTDOWN)
             self._calls.append((fn, future, loop))
             self._lock.notify()
         return await future
@@ -192,6 +215,10 @@ class EngineLoop:
                 self._answer(fn, future, loop)
             self._apply(incoming, cancels)
             if self._closed and not self.engine.has_work:
+                with self._lock:  # calls still queued are answered: no caller waits for good
+                    calls, self._calls = self._calls, []
+                for _, future, loop in calls:
+                    self._answer(_refuse, future, loop)
                 return
             if self.engine.has_work:
                 self._step()

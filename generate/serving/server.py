@@ -26,6 +26,7 @@ from starlette.routing import Route
 from generate.api import Generator
 from generate.engine.engine import Engine
 from generate.serving import openai_api as oa
+from generate.serving import playground
 from generate.serving.answer import Answer, PromptScorer, sse
 from generate.serving.engine_loop import SHUTDOWN, EngineLoop, QueueFull, Stopping, TooLarge, Update
 
@@ -359,6 +360,12 @@ def build_app(settings: Settings) -> Starlette:
             )
         return JSONResponse({"prompt": gen.tokenizer.decode(tokens)})
 
+    async def read(request: HTTPRequest) -> tuple[Generator, EngineLoop, object]:
+        gen, loop = state.ready()
+        body = await _read_json(request, settings)
+        _check_model(state, body)
+        return gen, loop, body
+
     async def health(request: HTTPRequest) -> Response:
         return JSONResponse({"status": state.status}, status_code=200 if state.status == "ok" else 503)
 
@@ -392,6 +399,7 @@ def build_app(settings: Settings) -> Starlette:
         Route("/detokenize", logged("/detokenize", detokenize), methods=["POST"]),
         Route("/metrics", logged("/metrics", metrics), methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        *playground.routes(logged, read, _encoder, settings.model_name),  # the page, /v1/attention
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: errors, Exception: errors}

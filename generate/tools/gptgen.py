@@ -1,7 +1,8 @@
 """The ``gptgen`` command: the toolkit's tools as subcommands.
 
 ``gptgen generate`` is the ``generate`` command (same options); ``gptgen serve`` runs the OpenAI-compatible
-server; ``gptgen score`` scores a text (mean NLL, perplexity); ``gptgen attention`` draws attention maps;
+server, and ``gptgen playground`` the same server announcing its web page; ``gptgen score`` scores a text
+(mean NLL, perplexity); ``gptgen attention`` draws attention maps;
 ``gptgen batch`` runs a file of prompts (locally or on Ray).
 Each subcommand's module is imported only when it runs, so ``gptgen --help`` is instant.
 """
@@ -13,13 +14,14 @@ import sys
 COMMANDS = {  # name: (module, function, what it does)
     "generate": ("generate.tools.cli", "main", "continue a prompt (the generate command)"),
     "serve": ("generate.tools.serve", "main", "serve a model over OpenAI's HTTP API"),
+    "playground": ("generate.tools.serve", "playground_main", "serve the page of generation and attention"),
     "score": ("generate.tools.commands", "score_main", "score a text: mean NLL and perplexity"),
     "attention": ("generate.tools.commands", "attention_main", "draw a model's causal attention over a text"),
     "batch": ("generate.tools.commands", "batch_main", "generate for a file of prompts, locally or on Ray"),
 }
 USAGE = (
     "usage: gptgen COMMAND [options]   (gptgen COMMAND --help for a command's options)\n\ncommands:\n"
-    + "".join(f"  {name:<10} {about}\n" for name, (_, _, about) in COMMANDS.items())
+    + "".join(f"  {name:<11} {about}\n" for name, (_, _, about) in COMMANDS.items())
 )
 
 

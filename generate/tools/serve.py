@@ -1,4 +1,6 @@
-"""``gptgen serve``: an OpenAI-compatible server for a checkpoint (see :mod:`generate.serving.server`).
+"""``gptgen serve``: an OpenAI-compatible server for a checkpoint (see :mod:`generate.serving.server`), with
+the playground page at ``/``; ``gptgen playground`` is the same command that also says (``--open``: opens) the
+page's address.
 
 It binds its socket first and says where it listens, then loads (and with ``--compile`` compiles) the model;
 ``GET /health`` answers 503 until that is done. The model loads and runs in the main thread, HTTP is served
@@ -31,16 +33,21 @@ from generate.tools.cli import (
 )
 
 PROG = "gptgen serve"
+PLAYGROUND = "gptgen playground"
 SHUTDOWN_MARGIN = 5.0  # seconds after --shutdown-timeout for the last answers to be sent
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command's argument parser."""
+def build_parser(playground: bool = False) -> argparse.ArgumentParser:
+    """The command's argument parser (with ``playground``: ``gptgen playground``'s, which adds ``--open``)."""
     p = CommandParser(
-        prog=PROG,
+        prog=PLAYGROUND if playground else PROG,
         description="Serve a GPT-2-family checkpoint over OpenAI's HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
+        "/v1/attention), with the playground, a web page of generation and its attention, at /."
+        + (" Says the playground's address (--open: opens it in a browser)." if playground else ""),
     )
+    if playground:
+        p.add_argument("--open", action="store_true", help="open the playground in the default web browser")
     add_checkpoint_option(p)
     p.add_argument("--model-name", help="the model id clients ask for (default: the checkpoint's name)")
     p.add_argument(
@@ -132,12 +139,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(argv: list[str] | None = None) -> int:
+def playground_main(argv: list[str] | None = None) -> int:
+    """``gptgen playground``: ``gptgen serve`` that also prints the playground's address (and with ``--open``
+    opens it in the default browser); returns the exit status as :func:`main`."""
+    return main(argv, playground=True)
+
+
+def main(argv: list[str] | None = None, *, playground: bool = False) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 on error)."""
-    parser = build_parser()
+    parser = build_parser(playground)
     args = parser.parse_args(argv)
     _check(args, parser)
-    logging.basicConfig(format="gptgen serve: %(message)s", level=args.log_level.upper(), stream=sys.stderr)
+    prog = parser.prog
+    logging.basicConfig(format=f"{prog}: %(message)s", level=args.log_level.upper(), stream=sys.stderr)
     try:
         import uvicorn
 
@@ -148,32 +162,43 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         extra = (e.name or "").split(".")[0] in ("uvicorn", "starlette")
         print(
-            "gptgen serve: error: the server needs its extra; install it with pip install -e '.[server]'"
+            f"{prog}: error: the server needs its extra; install it with pip install -e '.[server]'"
             if extra
-            else f"gptgen serve: error: {e}",
+            else f"{prog}: error: {e}",
             file=sys.stderr,
         )
         return 1
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
-        print(f"gptgen serve: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint)) or args.checkpoint
-    print(
-        f"gptgen serve: listening on http://{host}:{port} (model {name!r} loading)",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"{prog}: listening on http://{host}:{port} (model {name!r} loading)", file=sys.stderr, flush=True)
+    if playground:
+        _announce(prog, host, port, args.open)
     if args.api_key is None and not _loopback(args.host):
         print(
-            f"gptgen serve: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
+            f"{prog}: WARNING: listening on {args.host} without --api-key: anyone who can reach this "
             "port can use the model",
             file=sys.stderr,
             flush=True,
         )
-    return _serve(args, sock, name, uvicorn)
+    return _serve(args, sock, name, uvicorn, prog)
+
+
+def _announce(prog: str, host: str, port: int, open_it: bool) -> None:
+    """Say where the playground is (a wildcard address as this machine's loopback), and open it if asked."""
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    url = f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    print(f"{prog}: the playground is at {url}", file=sys.stderr, flush=True)
+    if open_it:
+        import webbrowser
+
+        if not webbrowser.open(url):
+            print(f"{prog}: no web browser could be opened here; open {url} yourself", file=sys.stderr)
 
 
 def _header_deadline_protocol(seconds: float) -> type:
@@ -219,7 +244,7 @@ def _header_deadline_protocol(seconds: float) -> type:
     return Protocol
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: Any) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: Any, prog: str) -> int:
     """HTTP in a thread, the model in this one (see :mod:`generate.serving.engine_loop` for why)."""
     from generate.serving.server import Settings, build_app
 
@@ -265,7 +290,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
         from checkpoints.errors import elide
 
-        print(f"gptgen serve: error: {elide(str(e))}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {elide(str(e))}", file=sys.stderr, flush=True)
         server.should_exit = True
         thread.join()
         return 1

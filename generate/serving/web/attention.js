@@ -1,0 +1,254 @@
+// The attention view: one token as the query, its weights over every token per layer and head (a grid of
+// strips, one head enlarged), and one head's whole matrix with the future masked, or the mask itself.
+// Everything comes from POST /v1/attention on the token ids of the text.
+
+import { call } from "./api.js";
+import { paintMatrix, strip, weightColor } from "./heatmap.js";
+import { bytesOf, h, percent, visible } from "./text.js";
+
+const CELLS_AS_ELEMENTS = 96; // tokens up to which the matrix is elements (above: drawn on a canvas)
+const LABELS = 48; // tokens up to which the matrix's rows and columns are labelled (if the cells are not tiny)
+
+/** Where each token starts in the text's bytes. */
+function starts(pieces) {
+  let at = 0;
+  return pieces.map((p) => {
+    const here = at;
+    at += bytesOf(p).length;
+    return here;
+  });
+}
+
+export class AttentionView {
+  constructor(tip) {
+    this.tip = tip;
+    const $ = (id) => document.getElementById(id);
+    Object.assign(this, { root: $("attention"), strips: $("strips"), enlarged: $("enlarged"), box: $("matrix"),
+      layerSelect: $("layer"), headSelect: $("head"), maskToggle: $("mask-toggle"), note: $("attention-note"),
+      error: $("attention-error"), caption: $("matrix-caption") });
+    this.layer = 0;
+    this.head = 0;
+    this.layerSelect.addEventListener("change", () => this.choose(Number(this.layerSelect.value), this.head));
+    this.headSelect.addEventListener("change", () => this.choose(this.layer, Number(this.headSelect.value)));
+    this.maskToggle.addEventListener("click", () => {
+      const on = this.maskToggle.getAttribute("aria-pressed") !== "true";
+      this.maskToggle.setAttribute("aria-pressed", String(on));
+      this.box.classList.toggle("mask-mode", on);
+      this.describeMatrix();
+    });
+    this.box.addEventListener("mouseover", (e) => this.hoverCell(e.target.closest(".cell")));
+    this.box.addEventListener("mouseleave", () => tip.hide());
+    let resized = null; // the matrix fits the window again once it stops changing size
+    window.addEventListener("resize", () => {
+      clearTimeout(resized);
+      resized = setTimeout(() => this.matrices && !this.root.hidden && this.drawMatrix(), 200);
+    });
+    this.hide();
+  }
+
+  hide() {
+    this.root.hidden = true;
+    this.controller?.abort();
+    this.ids = null;
+  }
+
+  /** Show token `index` of the page (whose tokens read `pieces`) as the query over the token ids `ids`. */
+  async show(ids, pieces, index) {
+    this.controller?.abort();
+    const controller = (this.controller = new AbortController());
+    if (this.ids === null || this.ids.join() !== ids.join()) this.matrices = new Map();
+    this.ids = ids;
+    this.root.hidden = false;
+    this.error.hidden = true;
+    this.root.setAttribute("aria-busy", "true");
+    try {
+      let q = index;
+      let row = await call("/v1/attention", { prompt: ids, query: q }, controller.signal);
+      const aligned = row.tokens.join("\u0000") === pieces.join("\u0000");
+      if (!aligned) { // the generated text re-encodes otherwise: find the token that starts where the page's does
+        const mine = starts(pieces)[index];
+        const theirs = starts(row.tokens);
+        q = Math.max(0, theirs.findLastIndex((s) => s <= mine));
+        if (q !== index) row = await call("/v1/attention", { prompt: ids, query: q }, controller.signal);
+      }
+      this.note.hidden = aligned;
+      this.note.textContent = aligned ? "" : "The generated text re-encodes into other tokens than the ones " +
+        `generated (${row.tokens.length} for ${pieces.length}); the view shows the tokens it encodes into.`;
+      Object.assign(this, { row, q, tokens: row.tokens });
+      this.fillSelects(row.layers.length, row.heads.length);
+      this.drawStrips();
+      this.drawEnlarged();
+      await this.drawMatrix(controller.signal);
+    } catch (e) {
+      if (e.name === "AbortError") return;
+      this.error.textContent = `No attention: ${e.message}`;
+      this.error.hidden = false;
+    } finally {
+      if (this.controller === controller) this.root.removeAttribute("aria-busy");
+    }
+  }
+
+  fillSelects(layers, heads) {
+    const fill = (select, count, value) => {
+      if (select.options.length !== count) {
+        select.replaceChildren(...Array.from({ length: count }, (_, i) => h("option", { value: i }, String(i))));
+      }
+      select.value = String(value);
+    };
+    this.layer = Math.min(this.layer, layers - 1);
+    this.head = Math.min(this.head, heads - 1);
+    fill(this.layerSelect, layers, this.layer);
+    fill(this.headSelect, heads, this.head);
+  }
+
+  /** Enlarge and draw the matrix of layer `layer`, head `head`. */
+  async choose(layer, head) {
+    Object.assign(this, { layer, head });
+    this.fillSelects(this.row.layers.length, this.row.heads.length);
+    this.drawStrips();
+    this.drawEnlarged();
+    this.controller?.abort();
+    this.controller = new AbortController();
+    try {
+      await this.drawMatrix(this.controller.signal);
+    } catch (e) {
+      if (e.name === "AbortError") return;
+      this.error.textContent = `No attention: ${e.message}`;
+      this.error.hidden = false;
+    }
+  }
+
+  label(k) {
+    return `${k} ${visible(this.tokens[k])}`;
+  }
+
+  drawStrips() {
+    const { row, q } = this;
+    const T = this.tokens.length;
+    document.getElementById("strips-title").textContent =
+      `Token ${q}, “${visible(this.tokens[q])}”, as the query: its weights per layer (rows) and head (columns)`;
+    document.getElementById("query-line").textContent = q + 1 < T
+      ? `The model's output at this position chose the next token, ${this.label(q + 1)}.`
+      : "The last token: the model's output here would choose the next one.";
+    const grid = [h("span"), ...row.heads.map((hd) => h("span", { class: "strip-head" }, `head ${hd}`))];
+    row.weights.forEach((heads, l) => {
+      grid.push(h("span", { class: "strip-layer" }, `layer ${l}`));
+      heads.forEach((rows, hd) => {
+        const weights = rows[0];
+        const top = weights.indexOf(Math.max(...weights));
+        const most = `layer ${l}, head ${hd}: most weight on ${this.label(top)}, ${percent(weights[top])}`;
+        const button = h("button", { type: "button", class: "strip", "data-layer": l, "data-head": hd,
+          "aria-pressed": String(l === this.layer && hd === this.head), "aria-label": most, title: most });
+        button.append(strip(weights, q, T));
+        button.addEventListener("click", () => this.choose(l, hd));
+        grid.push(button);
+      });
+    });
+    this.strips.style.setProperty("--heads", row.heads.length);
+    this.strips.replaceChildren(...grid);
+  }
+
+  drawEnlarged() {
+    const { q } = this;
+    const weights = this.row.weights[this.layer][this.head][0];
+    document.getElementById("enlarged-title").textContent =
+      `Layer ${this.layer}, head ${this.head}, enlarged: the largest weights first`;
+    const keys = weights.slice(0, q + 1).map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]);
+    const items = keys.map(([w, k]) => {
+      const bar = h("span", { class: "bar" });
+      bar.style.width = `${(100 * w).toFixed(2)}%`;
+      bar.style.backgroundColor = weightColor(w);
+      return h("li", k === q ? { class: "self" } : {}, h("span", { class: "key" }, this.label(k)),
+        h("span", { class: "track" }, bar), h("span", { class: "value" }, percent(w)));
+    });
+    const later = this.tokens.length - q - 1;
+    if (later > 0) items.push(h("li", { class: "masked-note" }, `${later} later token${later > 1 ? "s" : ""}: ` +
+      "masked (−∞ before the softmax), weight 0"));
+    this.enlarged.replaceChildren(...items);
+  }
+
+  async drawMatrix(signal) {
+    const key = `${this.layer}/${this.head}`;
+    document.getElementById("matrix-title").textContent =
+      `Layer ${this.layer}, head ${this.head}: every query (rows) over every key (columns)`;
+    if (!this.matrices.has(key)) {
+      this.caption.textContent = "Computing…";
+      const answer = await call("/v1/attention", { prompt: this.ids, layer: this.layer, head: this.head }, signal);
+      this.matrices.set(key, answer.weights[0][0]);
+    }
+    const m = this.matrices.get(key);
+    const T = m.length;
+    const fit = (room) => Math.max(3, Math.min(22, Math.floor((this.box.clientWidth - room) / T)));
+    const labels = T <= LABELS && fit(90) >= 12; // (smaller rows cannot hold a readable label)
+    const cell = fit(labels ? 90 : 0);
+    this.box.replaceChildren(T > CELLS_AS_ELEMENTS ? this.canvasMatrix(m, cell) : this.cellMatrix(m, cell, labels));
+    this.describeMatrix();
+  }
+
+  describeMatrix() {
+    const T = this.tokens.length;
+    const mask = this.box.classList.contains("mask-mode");
+    this.caption.textContent = (mask
+      ? "The causal mask, added to the scores before the softmax: 0 where a query may look (itself and every " +
+        "earlier token), −∞ above the diagonal (every later token), which the softmax turns into weight 0."
+      : `Each row sums to 1. Cells above the diagonal are the future: masked (hatched), weight 0. Row ${this.q} ` +
+        "is the selected token.") + (T > CELLS_AS_ELEMENTS ? ` ${T} tokens: drawn as an image${mask ? " of the " +
+        "weights" : ""}; hover it to read a cell.` : "");
+  }
+
+  cellMatrix(m, cell, labels) {
+    const T = m.length;
+    const grid = h("div", { class: `matrix${cell >= 18 ? " big" : ""}`, role: "img",
+      "aria-label": `attention matrix of layer ${this.layer}, head ${this.head}: ${T} by ${T}` });
+    grid.style.setProperty("--cell", `${cell}px`);
+    grid.style.gridTemplateColumns = `${labels ? "max-content " : ""}repeat(${T}, var(--cell))`;
+    const cells = [];
+    if (labels) cells.push(h("span"), ...this.tokens.map((_, k) => h("span", { class: "col-label" },
+      this.label(k))));
+    for (let q = 0; q < T; q++) {
+      if (labels) cells.push(h("span", { class: `row-label${q === this.q ? " here" : ""}` }, this.label(q)));
+      for (let k = 0; k < T; k++) {
+        const c = h("span", { class: `cell${k > q ? " masked" : ""}${q === this.q ? " here" : ""}`,
+          "data-testid": "attention-cell", "data-query": q, "data-key": k, "data-layer": this.layer,
+          "data-head": this.head, "data-weight": m[q][k] });
+        if (k > q) c.dataset.masked = "true";
+        else c.style.backgroundColor = weightColor(m[q][k]);
+        cells.push(c);
+      }
+    }
+    grid.append(...cells);
+    return grid;
+  }
+
+  canvasMatrix(m, cell) {
+    const T = m.length;
+    const canvas = h("canvas", { class: "matrix-canvas", role: "img",
+      "aria-label": `attention matrix of layer ${this.layer}, head ${this.head}: ${T} by ${T}` });
+    paintMatrix(canvas, m, cell, this.q);
+    canvas.addEventListener("mousemove", (e) => {
+      const r = canvas.getBoundingClientRect();
+      const k = Math.floor(((e.clientX - r.left) / r.width) * T);
+      const q = Math.floor(((e.clientY - r.top) / r.height) * T);
+      const at = { getBoundingClientRect: () => new DOMRect(e.clientX, e.clientY + 8, 1, 1) };
+      if (q >= 0 && q < T && k >= 0 && k < T) this.tip.show(at, ...this.describe(q, k, m[q][k]));
+    });
+    return canvas;
+  }
+
+  hoverCell(cell) {
+    if (!cell) return;
+    const { query, key, weight } = cell.dataset;
+    this.tip.show(cell, ...this.describe(Number(query), Number(key), Number(weight)));
+  }
+
+  describe(q, k, w) {
+    const lines = [h("div", { class: "tip-token" }, `${this.label(q)} → ${this.label(k)}`),
+      h("div", { class: "muted" }, `query ${q}, key ${k} · layer ${this.layer}, head ${this.head}`)];
+    if (k > q) {
+      lines.push(h("div", {}, "Masked: a later token. Its score is −∞ before the softmax, so its weight is 0."));
+    } else {
+      lines.push(h("div", {}, `weight ${w.toPrecision(6)} (${percent(w)}); the mask adds 0 here`));
+    }
+    return lines;
+  }
+}

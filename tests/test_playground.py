@@ -1,0 +1,391 @@
+"""The playground (generate/serving/playground.py and its page), tested as a user and a client see it: a real
+`gptgen playground` in a subprocess (the shipped model, one slot, a queue of one), its page in headless
+Chromium (Debian's package, driven by Playwright), and `POST /v1/attention` over plain HTTP.
+
+Everything the page shows is compared with the offline API on the same model: the greedy text and its
+logprobs with `Generator.generate`, the attention weights with `Generator.attention`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import generate
+from generate.serving import playground
+from generate.serving.openai_api import APIError, TokenText
+from model import GPTConfig
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+PROMPT = "To be, or not to be"
+WEB = Path(playground.__file__).parent / "web"
+
+
+class Server:
+    """A `gptgen playground` subprocess with one slot and a queue of one; its stderr collected in a thread."""
+
+    def __init__(self) -> None:
+        command = [sys.executable, "-m", "generate.tools.gptgen", "playground", "--port", "0"]
+        command += ["--max-slots", "1", "--max-queue", "1"]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+        self.lines = [self.proc.stderr.readline(), self.proc.stderr.readline()]
+        match = re.search(r"listening on (http://\S+)", self.lines[0])
+        assert match, self.lines
+        self.url = match.group(1)
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while httpx.get(self.url + "/health").status_code != 200:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines)
+            time.sleep(0.1)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return float(re.search(rf"^gptgen_{name} (\S+)$", text, re.M).group(1))
+
+    def wait_idle(self) -> None:
+        until(lambda: self.metric("slots_busy") == 0 and self.metric("queue_depth") == 0)
+
+
+def until(condition, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0, "".join(s.lines)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The offline API at the server's width: the same bits as the server (docs/server.md)."""
+    return generate.load("shakespeare", slots=1, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's package (apt-get install chromium; .ci/run does)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A fresh page of the playground at 1280x800; every request it makes must go to its own server."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    requests, errors = [], []
+    page.on("request", lambda r: requests.append(r.url))
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    page.wait_for_function("() => document.getElementById('model').textContent.startsWith('shakespeare')")
+    yield page
+    context.close()
+    assert not errors, errors
+    assert requests and all(url.startswith(server.url + "/") for url in requests), requests
+
+
+def run(page, prompt: str = PROMPT, *, wait: bool = True, **controls: str) -> None:
+    """Type the prompt, set the controls (by test id), press Generate, and wait for the end."""
+    page.get_by_test_id("prompt").fill(prompt)
+    for name, value in controls.items():
+        page.get_by_test_id(name.replace("_", "-")).fill(value)
+    page.get_by_test_id("generate").click()
+    if wait:
+        page.wait_for_function(
+            "() => /^(Done|Stopped)/.test(document.querySelector('[data-testid=status]').textContent) || "
+            "!document.querySelector('[data-testid=error]').hidden"
+        )
+
+
+def tokens(page) -> list[dict]:
+    return page.eval_on_selector_all(
+        "[data-testid=token]",
+        "els => els.map(e => ({index: +e.dataset.index, kind: e.dataset.kind, text: e.dataset.text, "
+        "shown: e.textContent, logprob: e.dataset.logprob === undefined ? null : +e.dataset.logprob}))",
+    )
+
+
+def test_greedy_text_in_the_page_equals_the_offline_api_token_by_token(page, offline):
+    run(page, temperature="0", max_tokens="24")
+    want = offline.generate(PROMPT, max_new_tokens=24, temperature=0, logprobs=True)
+    assert page.get_by_test_id("output").text_content() == want.text
+    got = tokens(page)
+    assert [t["index"] for t in got] == list(range(len(got)))
+    prompt, generated = got[: -len(want.token_ids)], got[-len(want.token_ids) :]
+    assert "".join(t["text"] for t in prompt) == PROMPT and all(t["kind"] == "prompt" for t in prompt)
+    assert len(prompt) == len(offline.encode(PROMPT)) and all(t["logprob"] is None for t in prompt)
+    assert [t["kind"] for t in generated] == ["generated"] * len(want.token_ids)
+    assert "".join(t["shown"] for t in generated) == want.text
+    name = TokenText(offline.tokenizer.decode_single_token_bytes)  # (OpenAI's token strings)
+    assert [t["text"] for t in generated] == [name(i) for i in want.token_ids]
+    assert [t["logprob"] for t in generated] == pytest.approx(want.logprobs, abs=1e-5)
+    assert page.get_by_test_id("generate").is_enabled() and page.get_by_test_id("stop").is_disabled()
+
+
+def cells(page) -> list[dict]:
+    return page.eval_on_selector_all(
+        "[data-testid=attention-cell]",
+        "els => els.map(e => ({q: +e.dataset.query, k: +e.dataset.key, layer: +e.dataset.layer, "
+        "head: +e.dataset.head, w: +e.dataset.weight, masked: e.dataset.masked === 'true'}))",
+    )
+
+
+def check_matrix(got: list[dict], want: torch.Tensor, layer: int, head: int) -> None:
+    """The cells are layer ``layer``, head ``head`` of ``want`` (n_layer, n_head, T, T), each once."""
+    t = want.shape[-1]
+    assert len(got) == t * t and {(c["q"], c["k"]) for c in got} == {
+        (q, k) for q in range(t) for k in range(t)
+    }
+    assert all(c["layer"] == layer and c["head"] == head for c in got)
+    for c in got:
+        assert c["w"] == pytest.approx(float(want[layer, head, c["q"], c["k"]]), abs=1e-5)
+        assert c["masked"] == (c["k"] > c["q"])
+        if c["masked"]:
+            assert c["w"] == 0
+    for q in range(t):
+        assert math.fsum(c["w"] for c in got if c["q"] == q) == pytest.approx(1, abs=1e-5)
+
+
+def test_a_selected_token_shows_the_offline_attention_with_the_future_masked(page, offline):
+    run(page, temperature="0", max_tokens="10")
+    text = PROMPT + page.get_by_test_id("output").text_content()
+    want = offline.attention(text)  # (n_layer, n_head, T, T)
+    t = want.shape[-1]
+    assert len(tokens(page)) == t
+    token = page.locator(f'[data-testid=token][data-index="{t - 3}"]')
+    token.focus()
+    token.press("Enter")  # the keyboard selects
+    view = page.get_by_test_id("attention")
+    page.wait_for_function(
+        f"() => document.querySelectorAll('[data-testid=attention-cell]').length === {t * t}"
+    )
+    assert view.is_visible() and token.get_attribute("aria-pressed") == "true"
+    assert page.locator("#attention-note").is_hidden()  # the page's tokens are the text's
+    check_matrix(cells(page), want, 0, 0)
+    page.select_option("#layer", "5")
+    page.select_option("#head", "2")
+    first = "document.querySelector('[data-testid=attention-cell]').dataset"
+    page.wait_for_function(f"() => {first}.layer === '5' && {first}.head === '2'")
+    check_matrix(cells(page), want, 5, 2)
+    assert page.locator(".strip").count() == want.shape[0] * want.shape[1]
+    page.locator('.strip[data-layer="7"][data-head="3"]').click()  # a strip enlarges its head
+    page.wait_for_function(f"() => {first}.layer === '7' && {first}.head === '3'")
+    check_matrix(cells(page), want, 7, 3)
+    page.locator("#mask-toggle").click()
+    assert page.locator("#matrix").get_attribute("class").split()[-1] == "mask-mode"
+
+
+def test_stop_ends_a_long_generation_and_frees_the_slot(page, server):
+    cancelled = server.metric("requests_cancelled_total")
+    run(page, "Long ago", wait=False, temperature="0", max_tokens="480")
+    page.wait_for_function("() => document.querySelectorAll('[data-kind=generated]').length >= 3")
+    assert server.metric("slots_busy") == 1
+    page.get_by_test_id("stop").click()
+    page.wait_for_function(
+        "() => document.querySelector('[data-testid=status]').textContent.startsWith('Stopped')"
+    )
+    server.wait_idle()
+    assert server.metric("requests_cancelled_total") == cancelled + 1
+    assert page.locator("[data-kind=generated]").count() < 480
+    assert page.get_by_test_id("generate").is_enabled() and page.get_by_test_id("stop").is_disabled()
+
+
+def test_a_bad_value_shows_the_servers_message_in_the_page(page):
+    run(page, temperature="-1")
+    error = page.get_by_test_id("error")
+    assert error.is_visible() and "temperature: got -1; it must be >= 0" in error.text_content()
+    assert page.get_by_test_id("temperature").get_attribute("aria-invalid") == "true"
+    assert page.get_by_test_id("output").text_content() == ""
+    run(page, "word " * 600, temperature="0")
+    assert "window is 512 positions" in error.text_content()
+
+
+def _hold(url: str, out: list) -> None:
+    """A long greedy stream, read until the test closes the server's slot for it."""
+    body = {"prompt": "Long ago", "max_tokens": 480, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        out.append(response.status_code)
+        for _ in response.iter_lines():
+            if len(out) > 1:
+                return
+
+
+def test_a_busy_server_says_so_in_the_page_and_to_attention_requests(page, server):
+    held: list[list] = [[], []]
+    threads = [threading.Thread(target=_hold, args=(server.url, out)) for out in held]
+    try:
+        threads[0].start()
+        until(lambda: server.metric("slots_busy") == 1)
+        threads[1].start()  # the queue (of one) is full
+        until(lambda: server.metric("queue_depth") == 1)
+        busy = httpx.post(server.url + "/v1/attention", json={"prompt": PROMPT})
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+        run(page, temperature="0")
+        assert page.get_by_test_id("error").text_content().startswith("The server is busy: ")
+    finally:
+        for out in held:
+            out.append("done")
+        for thread in threads:
+            thread.join(30)
+    server.wait_idle()
+
+
+def test_the_page_fits_a_phone(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    run(page, temperature="0", max_tokens="12")
+    page.locator('[data-testid=token][data-index="4"]').tap()
+    page.wait_for_selector("[data-testid=attention-cell]")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
+    context.close()
+
+
+def attention(server, body: object) -> httpx.Response:
+    return httpx.post(server.url + "/v1/attention", content=json.dumps(body).encode(), timeout=60)
+
+
+def test_attention_over_http_equals_generator_attention(server, offline):
+    text = "Now is the winter of our discontent"
+    answer = attention(server, {"prompt": text, "model": "shakespeare"})
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/json"
+    got = answer.json()
+    ids = offline.encode(text)
+    assert got["token_ids"] == ids and "".join(got["tokens"]) == text
+    assert got["layers"] == list(range(8)) and got["heads"] == list(range(4))
+    want = offline.attention(text)
+    torch.testing.assert_close(torch.tensor(got["weights"]), want, atol=1e-5, rtol=0)
+    one = attention(server, {"prompt": ids, "layer": 6, "head": 3, "query": 4}).json()
+    assert one["layers"] == [6] and one["heads"] == [3] and one["queries"] == [4]
+    torch.testing.assert_close(torch.tensor(one["weights"]), want[6:7, 3:4, 4:5], atol=1e-5, rtol=0)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'gptgen_requests_total{endpoint="/v1/attention",status="200"}' in metrics
+
+
+BAD = [
+    ({"prompt": PROMPT, "layer": 8}, "layer", "it must be an integer in 0..7"),
+    ({"prompt": PROMPT, "layer": -1}, "layer", "it must be an integer in 0..7"),
+    ({"prompt": PROMPT, "head": 4}, "head", "it must be an integer in 0..3"),
+    ({"prompt": PROMPT, "head": "1"}, "head", "it must be an integer in 0..3"),
+    ({"prompt": PROMPT, "query": 7}, "query", "it must be an integer in 0..6"),
+    ({"prompt": "word " * 600}, "prompt", "it has 601 tokens, but the model's window holds 512"),
+    ({"prompt": [5] * 200}, "layer", "8 layers x 4 heads x 200 query rows x 200 tokens = 1,280,000 weights"),
+    ({"prompt": [1, 99999]}, "prompt", "token id 99999 is outside the vocabulary 0..50256"),
+    ({"prompt": []}, "prompt", "a string or a non-empty list of token ids"),
+    ({"prompt": PROMPT, "layers": [1]}, "layers", "unrecognized request field 'layers'"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "message"), BAD, ids=[str(i) for i in range(len(BAD))])
+def test_a_bad_attention_request_gets_400_naming_the_field(server, body, param, message):
+    answer = attention(server, body)
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert (
+        error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
+    )
+
+
+def test_more_tokens_than_an_attention_request_takes_are_refused_below_a_longer_window():
+    config = GPTConfig(n_positions=1024, n_layer=1, n_head=1, n_embd=8)
+    with pytest.raises(APIError, match="it has 513 tokens, but at most 512 a call") as refused:
+        playground.parse_attention({"prompt": [1] * 513}, encode=list, config=config, vocab=50257)
+    assert refused.value.param == "prompt" and refused.value.code == "too_many_tokens"
+
+
+def test_attention_is_refused_with_503_at_shutdown(offline):
+    """In process: once the server stops taking work, an attention request gets 503, not a wait."""
+    from starlette.testclient import TestClient
+
+    from generate.serving.server import Settings, build_app
+
+    app = build_app(Settings("shakespeare"))
+    loop = app.state.gptgen.attach(offline, offline.engine(1, 64))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        with TestClient(app) as http:
+            assert http.post("/v1/attention", json={"prompt": "To be"}).status_code == 200
+            loop.stop(60)
+            answer = http.post("/v1/attention", json={"prompt": "To be"})
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+    finally:
+        loop.close()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_the_page_and_its_files_are_served_with_their_types(server):
+    page = httpx.get(server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    names = re.findall(r'(?:src|href)="/playground/([^"]+)"', page.text)
+    names += [n for f in WEB.glob("*.js") for n in re.findall(r'from "\./([^"]+)"', f.read_text())]
+    assert set(names) == {f.name for f in WEB.iterdir()} - {"index.html"}
+    types = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+    for name in names:
+        answer = httpx.get(f"{server.url}/playground/{name}")
+        assert answer.status_code == 200 and answer.headers["content-type"] == types[Path(name).suffix]
+        assert answer.content == (WEB / name).read_bytes()
+    for missing in ["nothing.js", "..%2Fplayground.py", ".hidden.css", "index"]:
+        assert httpx.get(f"{server.url}/playground/{missing}").status_code == 404
+
+
+def test_the_shipped_files_name_no_other_server():
+    for f in WEB.iterdir():
+        text = f.read_text()
+        assert not re.search(r"https?:|wss?:|@import|(?:src|href)\s*=\s*[\"']?//", text), f.name
+        assert not re.search(r"url\(\s*[\"']?(?!data:)", text), f.name  # (CSS: only data: URLs)
+
+
+def test_the_playground_command_says_where_the_page_is(server):
+    port = server.url.rsplit(":", 1)[1]
+    assert server.lines[1] == f"gptgen playground: the playground is at http://127.0.0.1:{port}/\n"
+
+
+def test_playground_open_says_and_opens_the_address(monkeypatch, capsys):
+    import webbrowser
+
+    from generate.tools import serve
+
+    assert "--open" in serve.build_parser(playground=True).format_help()
+    assert "--open" not in serve.build_parser().format_help()
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url) or len(opened) < 3)
+    serve._announce("gptgen playground", "0.0.0.0", 8123, True)
+    serve._announce("gptgen playground", "::", 8123, True)
+    assert opened == ["http://127.0.0.1:8123/", "http://[::1]:8123/"]
+    serve._announce("gptgen playground", "127.0.0.1", 8123, True)  # no browser here
+    assert capsys.readouterr().err.splitlines() == [
+        "gptgen playground: the playground is at http://127.0.0.1:8123/",
+        "gptgen playground: the playground is at http://[::1]:8123/",
+        "gptgen playground: the playground is at http://127.0.0.1:8123/",
+        "gptgen playground: no web browser could be opened here; open http://127.0.0.1:8123/ yourself",
+    ]
