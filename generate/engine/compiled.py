@@ -223,23 +223,28 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
     the whole cache whatever span it is given (one graph; the bits are the same, see the runner)."""
     store.use_inductor_cache()
 
-    def step(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return _forward(model, cache, tokens, positions, cache.max_len)
+    def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        # The cache's buffers are inputs, not captured: a graph dynamo keeps for this code serves another
+        # engine's cache of the same shapes with that cache's buffers (captured, it would use the first's).
+        buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
+        return _forward(model, buffers, tokens, positions, buffers.max_len)
 
     cuda = model.device.type == "cuda"
-    for buffer in (*cache.k, *cache.v):  # written in place at fixed addresses: CUDA graphs may replay it
+    # Written in place at fixed addresses: CUDA graphs may replay the step. (Not on the CPU: inductor's
+    # freezing would fold a buffer so marked into the graph, which another engine's cache then reuses.)
+    for buffer in (*cache.k, *cache.v) if cuda else ():
         torch._dynamo.mark_static_address(buffer)
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
     what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
     with (
         _progress(what, progress),
         torch.inference_mode(),  # (the engine's steps are; dynamo guards on it)
-        torch._inductor.config.patch({} if cuda else CPU_OPTIONS),
+        torch._inductor.config.patch({}),  # (the CPU runs AOTInductor's library; this serves tests there)
     ):
         tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
         positions = torch.arange(width, device=model.device).repeat(cache.slots, 1)
-        compiled(tokens, positions)  # writes the first positions of every slot (cleared on join)
-    return lambda tokens, positions, span: compiled(tokens, positions)
+        compiled(tokens, positions, *cache.k, *cache.v)  # writes the first positions (cleared on join)
+    return lambda tokens, positions, span: compiled(tokens, positions, *cache.k, *cache.v)
 
 
 def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
