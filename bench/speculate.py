@@ -63,8 +63,9 @@ def main() -> None:
                             ("t=0.8 top-p=0.95", SamplingParams(temperature=0.8, top_p=0.95))):  # fmt: skip
         rates: dict[str, list[float]] = {name: [] for name in ways}
         outputs: dict[str, list[list[int]]] = {}
-        for name, gen in ways.items():  # (a first run: compiles, warms up)
+        for name, gen in ways.items():  # (a first run: compiles, warms up; the counts start after it)
             outputs[name] = _run(gen, prompts, sampling, args.new)[1]
+        before = {name: gen.speculation for name, gen in ways.items()}
         for _ in range(args.rounds):
             for name, gen in ways.items():
                 seconds, _ = _run(gen, prompts, sampling, args.new)
@@ -73,10 +74,13 @@ def main() -> None:
               f"{args.rounds} rounds")  # fmt: skip
         for name, values in rates.items():
             base = statistics.median(rates["plain compiled" if "compiled" in name else "plain"])
-            stats = ways[name].speculation
-            extra = ""
-            if stats is not None:
-                rate, per = stats["acceptance_rate"], stats["tokens_per_pass"]
+            stats, extra = ways[name].speculation, ""
+            if stats is not None:  # this label's rounds alone
+                d = {
+                    key: stats[key] - before[name][key]
+                    for key in ("proposed", "accepted", "passes", "tokens")
+                }
+                rate, per = d["accepted"] / max(d["proposed"], 1), d["tokens"] / max(d["passes"], 1)
                 extra = f"  acceptance {rate:.2f}, {per:.2f} tokens a step"
             same = "same tokens" if outputs[name] == outputs["plain"] else "TOKENS DIFFER from plain"
             print(f"  {name:16s} {statistics.median(values):7.1f} tok/s ({min(values):.1f}-{max(values):.1f})"

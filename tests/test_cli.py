@@ -95,7 +95,8 @@ def test_a_draft_gives_the_same_text_and_its_counts(ckpt, gen, capsys):
     assert main(["Hello world", "-c", ckpt, "--json", "-n", "12", "--seed", "3", "--draft", "ngram"]) == 0
     [record] = json_lines(capsys.readouterr().out)
     assert record["text"] == gen.generate("Hello world", max_new_tokens=12, seed=3, **CLI_DEFAULTS).text
-    assert set(record["speculation"]) == {"proposed", "accepted", "acceptance_rate", "tokens_per_pass"}
+    assert set(record["speculation"]) == {"proposed", "accepted", "passes", "tokens", "acceptance_rate",
+                                          "tokens_per_pass"}  # fmt: skip
     assert record["speculation"]["tokens_per_pass"] >= 1
 
 

@@ -115,6 +115,8 @@ class Counts:
         return {
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "passes": self.passes,
+            "tokens": self.tokens,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "tokens_per_pass": self.tokens / self.passes if self.passes else 0.0,
         }
