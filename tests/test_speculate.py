@@ -170,6 +170,20 @@ def test_the_shipped_model_speculating_through_the_api_gives_the_plain_text():
     assert accepted > 0  # (proposals were taken)
 
 
+class OutOfRange:
+    def propose(self, slot, request, k):
+        return [0, CONFIG.vocab_size, -1][:k]  # a draft with a larger vocabulary, or a bad proposer
+
+
+def test_proposals_outside_the_vocabulary_are_cut_and_change_nothing(model):
+    ps = prompts(6, seed=9)
+    speculator = Speculator(OutOfRange())
+    assert results(run(model, ps, SEEDED, speculator)) == results(
+        run(model, ps, SEEDED, Speculator(NoProposals()))
+    )
+    assert speculator.stats()["proposed"] > 0  # (the first, 0, was proposed; the rest cut)
+
+
 def test_bad_draft_settings_are_refused():
     model = make_model(CONFIG)
     with pytest.raises(ValueError, match=r"draft='bigram': give 'ngram' or a draft model"):

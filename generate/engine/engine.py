@@ -196,7 +196,7 @@ class Engine:
         :mod:`generate.engine.speculate`)."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
-                                                   self.cache.max_len)  # fmt: skip
+                                                   self.cache.max_len, self.vocab)  # fmt: skip
         logits = self.runner.verify(tokens, positions)  # (slots, width, V)
         width = tokens.shape[1]
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)

@@ -158,14 +158,14 @@ class Speculator:
         self.counts = Counts() if counts is None else counts
 
     def inputs(
-        self, pending: torch.Tensor, lengths: list[int], running: dict[int, Request], window: int
+        self, pending: torch.Tensor, lengths: list[int], running: dict[int, Request], window: int, vocab: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]]:
         """A step's (slots, 1 + lookahead) tokens and positions, and each running slot's proposals.
 
         Row ``s`` feeds its pending token at ``lengths[s]`` and its proposals after it. A proposal stays below
         position ``window - 1`` (the last position is only ever chosen, never fed) and within the request's
         budget; padding goes at the next positions, the ones past ``window - 2`` all at ``window - 1``, which
-        no query reads.
+        no query reads. Proposals end before an id outside ``0..vocab-1``, which no step can choose.
         """
         width = 1 + self.lookahead
         tokens = torch.zeros(len(lengths), width, dtype=torch.long)
@@ -175,19 +175,19 @@ class Speculator:
         for slot, request in running.items():
             left = request.max_new_tokens - len(request.token_ids) - 1
             k = min(self.ahead.setdefault(slot, self.lookahead), window - 2 - lengths[slot], left)
-            proposals[slot] = [int(t) for t in self.proposer.propose(slot, request, k)[:k]] if k > 0 else []
+            proposed = [int(t) for t in self.proposer.propose(slot, request, k)[:k]] if k > 0 else []
+            outside = next((i for i, t in enumerate(proposed) if not 0 <= t < vocab), len(proposed))
+            proposals[slot] = proposed[:outside]
             tokens[slot, 1 : 1 + len(proposals[slot])] = torch.tensor(proposals[slot], dtype=torch.long)
         return tokens, positions, proposals
 
     def record(self, slot: int, proposed: int, chosen: int) -> None:
         """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead."""
-        accepted, c = max(chosen - 1, 0), self.counts
-        c.proposed, c.accepted, c.passes, c.tokens = (
-            c.proposed + proposed,
-            c.accepted + accepted,
-            c.passes + 1,
-            c.tokens + chosen,
-        )
+        accepted = max(chosen - 1, 0)
+        self.counts.proposed += proposed
+        self.counts.accepted += accepted
+        self.counts.passes += 1
+        self.counts.tokens += chosen
         self.ahead[slot] = min(self.lookahead, accepted + 1)
 
     def stats(self) -> dict[str, float]:
