@@ -115,6 +115,30 @@ def test_a_greedy_completion_equals_the_offline_api(client, offline):
     assert got.object == "text_completion" and got.id.startswith("cmpl-")
 
 
+def test_extreme_valid_sampling_beside_greedy_requests_changes_none_of_them(client, offline):
+    # Settings at the ends of the documented ranges (top_p 1e-300 once killed every row of its step), sent
+    # by the openai client at the same time as three greedy requests: all answered, the greedy texts alone's.
+    extreme = [dict(top_p=1e-300), dict(temperature=5e-324), dict(temperature=1e308, top_k=2**62),
+               dict(min_p=0.999999, frequency_penalty=2, presence_penalty=-2)]  # fmt: skip
+    greedy = ["ROMEO:", "To be, or not", "KING HENRY:"]
+
+    def ask(job: tuple[str, dict]) -> str:
+        prompt, options = job
+        extra = {k: options.pop(k) for k in ("top_k", "min_p") if k in options}  # (not in openai's signature)
+        got = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=16, extra_body=extra,
+                                        **options)  # fmt: skip
+        return got.choices[0].text
+
+    jobs = [("The king", {**e, "seed": i}) for i, e in enumerate(extreme)] + [
+        (p, {"temperature": 0}) for p in greedy
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(ask, jobs))
+    assert texts[len(extreme) :] == [
+        offline.generate(p, max_new_tokens=16, temperature=0).text for p in greedy
+    ]
+
+
 SAMPLED = dict(temperature=0.9, top_p=0.9, presence_penalty=0.5, seed=7)
 
 

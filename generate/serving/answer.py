@@ -12,7 +12,7 @@ from generate.engine.request import Request
 from generate.serving import openai_api as oa
 from generate.serving.engine_loop import Update
 
-SCORE_CHUNK = 16  # prompt positions scored a call (with the head over the vocabulary: about a decode step)
+SCORE_CHUNK = 8  # prompt positions scored a call (with the head over the vocabulary: under a decode step)
 
 
 class Answer:
