@@ -191,9 +191,8 @@ class Engine:
         return events
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        """A speculating step: every slot's pending token and proposals, (slots, 1 + lookahead), over the
-        whole window; each decoding slot takes tokens while they equal its proposals (see
-        :mod:`generate.engine.speculate`)."""
+        """A speculating step: every slot's pending token and proposals, (slots, 1 + lookahead); each
+        decoding slot takes tokens while they equal its proposals (see :mod:`generate.engine.speculate`)."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip

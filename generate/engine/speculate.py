@@ -7,8 +7,9 @@ fixed function of the logits, the seed and the position: :func:`generate.engine.
 on to the next position only while the chosen token equals the proposal there. So the tokens are those the
 engine gives with no proposals at all, whatever was proposed; proposals only decide how many come per step.
 
-Every step has the same shape and reads the whole window, so a row's bits depend on that row alone, as in a
-plain engine. The shape differs from a plain step's ``(slots, 1)``, so the logits may differ from a plain
+Every step has the same shape, and its attention sums over the cache in fixed chunks as a decode step's does
+(the same bits over any span), so a row's bits depend on that row alone, as in a plain engine. The shape
+differs from a plain step's ``(slots, 1)``, so the logits may differ from a plain
 engine's in the last bits (within the prefix tests' tolerance), and a near-tie can pick another token.
 """
 
