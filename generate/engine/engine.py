@@ -264,7 +264,7 @@ class Engine:
                        "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
             return None
         seed, seen, counts = self._state[slot]
-        u = uniform(seed, len(request.prompt) + len(request.token_ids))
+        u = 0.0 if request.sampling.greedy else uniform(seed, len(request.prompt) + len(request.token_ids))
         try:
             token, logprob, top = sample_row(row, request.sampling, u, seen, counts, token=chosen,
                                              logprobs=request.logprobs, top=request.top_logprobs)  # fmt: skip

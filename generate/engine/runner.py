@@ -59,9 +59,7 @@ class Runner:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
         device = self.model.device
         tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
-        # The CPU reads up to the furthest row (in whole chunks: the model rounds it up); a GPU's kernels
-        # split their sums by the shapes they are given, so there every step reads the whole cache.
-        span = int(positions.max()) + 1 if device.type == "cpu" else self.cache.max_len
+        span = self._span(positions)
         if self._step is not None:
             return self._step(tokens, rows, span)
         return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
@@ -69,9 +67,14 @@ class Runner:
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A speculative step: several tokens for every slot at consecutive positions, attention as in a
         decode step (the same bits over any span): (slots, T) ids and positions -> (slots, T, V) logits."""
-        device = self.model.device
-        span = int(positions.max()) + 1 if device.type == "cpu" else self.cache.max_len
+        device, span = self.model.device, self._span(positions)
         tokens, positions = tokens.to(device), positions.to(device)
         if self._step is not None:
             return self._step(tokens, positions, span)
         return self.model(tokens, positions=positions, cache=self.cache, span=span, step=True)
+
+    def _span(self, positions: torch.Tensor) -> int:
+        """The cache positions a step reads. The CPU reads up to the furthest row (in whole chunks: the model
+        rounds it up); a GPU's kernels split their sums by the shapes they are given, so there every step
+        reads the whole cache."""
+        return int(positions.max()) + 1 if self.model.device.type == "cpu" else self.cache.max_len

@@ -5,14 +5,42 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from generate.api import Generator
 from generate.engine.request import Request
 from generate.serving import openai_api as oa
-from generate.serving.engine_loop import Update
+from generate.serving.engine_loop import SHUTDOWN, EngineLoop, Update
+
+if TYPE_CHECKING:
+    from starlette.requests import Request as HTTPRequest
 
 SCORE_CHUNK = 8  # prompt positions scored a call (with the head over the vocabulary: under a decode step)
+
+
+def shutting_down() -> oa.APIError:
+    """The answer to work the shutdown ends: 503 ``shutting_down``."""
+    return oa.APIError(SHUTDOWN, status=503, type="server_error", code="shutting_down")
+
+
+class Stepped(Protocol):
+    """Work done a piece a call in the engine's thread (echo's scoring, an attention forward)."""
+
+    done: bool
+
+    def step(self) -> None: ...
+
+
+async def step_until_done(loop: EngineLoop, request: HTTPRequest, note: dict, work: Stepped) -> None:
+    """Run ``work.step`` in the engine's thread, one call between two steps, until ``work.done``; stop with
+    503 at the shutdown, and with 499 (noted as cancelled) when the client has gone."""
+    while not work.done:
+        if loop.ending:
+            raise shutting_down()
+        if await request.is_disconnected():
+            note["cancelled"] = True
+            raise oa.APIError("the client went away", status=499, code="cancelled")
+        await loop.call(work.step)
 
 
 class Answer:

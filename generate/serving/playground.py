@@ -24,7 +24,8 @@ from starlette.routing import Route
 from generate.api import Generator
 from generate.engine.memory import said_plainly
 from generate.serving import openai_api as oa
-from generate.serving.engine_loop import SHUTDOWN, EngineLoop, QueueFull, Stopping
+from generate.serving.answer import shutting_down, step_until_done
+from generate.serving.engine_loop import EngineLoop, QueueFull, Stopping
 from model import GPT, GPTConfig
 
 MAX_TOKENS = 512  # tokens of one /v1/attention text
@@ -168,7 +169,7 @@ class _Attention:
         except QueueFull as e:
             raise oa.APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
         except Stopping:
-            raise _shutting_down() from None
+            raise shutting_down() from None
         self.turns = self.turns or asyncio.Semaphore(loop.engine.slots)
         self.waiting += 1
         try:
@@ -176,23 +177,13 @@ class _Attention:
         finally:
             self.waiting -= 1
         try:
-            while not job.done:
-                if loop.ending:
-                    raise _shutting_down()
-                if await request.is_disconnected():
-                    note["cancelled"] = True
-                    raise oa.APIError("the client went away", status=499, code="cancelled")
-                await loop.call(job.step)
+            await step_until_done(loop, request, note, job)
         except Stopping:
-            raise _shutting_down() from None
+            raise shutting_down() from None
         except (MemoryError, RuntimeError, ValueError) as e:
             raise oa.APIError(str(e), status=500, type="server_error", code="attention_failed") from None
         finally:
             self.turns.release()
-
-
-def _shutting_down() -> oa.APIError:
-    return oa.APIError(SHUTDOWN, status=503, type="server_error", code="shutting_down")
 
 
 async def _pieces(head: dict[str, Any], weights: list, note: dict) -> AsyncIterator[str]:

@@ -27,7 +27,7 @@ from generate.api import Generator
 from generate.engine.engine import Engine
 from generate.serving import openai_api as oa
 from generate.serving import playground
-from generate.serving.answer import Answer, PromptScorer, sse
+from generate.serving.answer import Answer, PromptScorer, shutting_down, sse, step_until_done
 from generate.serving.engine_loop import SHUTDOWN, EngineLoop, QueueFull, Stopping, TooLarge, Update
 
 log = logging.getLogger("gptgen.server")
@@ -169,14 +169,10 @@ class _ClientGone(Exception):
     pass
 
 
-def _shutting_down() -> oa.APIError:
-    return oa.APIError(SHUTDOWN, status=503, type="server_error", code="shutting_down")
-
-
 def _failure(error: str) -> oa.APIError:
     """The answer to a request the engine ended with ``error``: 503 at shutdown, else 500."""
     if error == SHUTDOWN:
-        return _shutting_down()
+        return shutting_down()
     return oa.APIError(error, status=500, type="server_error", code="generation_failed")
 
 
@@ -240,7 +236,7 @@ def build_app(settings: Settings) -> Starlette:
         except QueueFull as e:
             raise oa.APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
         except Stopping as e:
-            raise _shutting_down() from e
+            raise shutting_down() from e
         note.update(prompt=sum(len(p) for p in job.prompts), n=len(requests))
         if job.echo and job.logprobs is not None:  # admitted: a chunk of scoring between two steps
             state.scoring = state.scoring or asyncio.Semaphore(loop.engine.slots)
@@ -248,13 +244,7 @@ def build_app(settings: Settings) -> Starlette:
                 for p in job.prompts:
                     scorer = PromptScorer(gen, p)
                     async with state.scoring:
-                        while not scorer.done:
-                            if loop.ending:
-                                raise _shutting_down()
-                            if await request.is_disconnected():
-                                note["cancelled"] = True
-                                raise oa.APIError("the client went away", status=499, code="cancelled")
-                            await loop.call(scorer.step)
+                        await step_until_done(loop, request, note, scorer)
                     answer.prompt_logprobs.append(scorer.logprobs)
             except BaseException:
                 loop.cancel(requests)
