@@ -38,7 +38,7 @@ def allowed_set(row: torch.Tensor, params: SamplingParams) -> set[int]:
         keep = sorted(keep, key=lambda i: -scaled[i].item())[: params.top_k]
     if params.top_p < 1.0:
         probs = torch.softmax(scaled[keep], dim=0).tolist()
-        ranked = sorted(zip(probs, keep, strict=True), reverse=True)
+        ranked = sorted(zip(probs, keep, strict=True), key=lambda pair: (-pair[0], pair[1]))  # ties: lower id
         total, prefix = 0.0, []
         for p, i in ranked:  # the smallest prefix whose probability sum reaches top_p
             prefix.append(i)
@@ -445,6 +445,35 @@ def test_draws_follow_the_filtered_softmax(params, vocab, scale):
     assert chi2(counts, probs) < CHI2_BOUND
     unfiltered = torch.softmax(logits.double()[allowed], dim=0)  # the test can fail: a wrong distribution
     assert params.temperature == 1.0 or chi2(counts, unfiltered) > CHI2_BOUND
+
+
+def test_rejected_draws_are_drawn_again_until_one_lies_in_the_nucleus():
+    # 12 likely tokens hold 40% of a 50,000-token vocabulary's mass and the nucleus half of it: most first
+    # draws land outside it (among thousands of tied unlikely tokens) and are drawn again.
+    g = torch.Generator().manual_seed(8)
+    logits = torch.zeros(50_000)
+    logits[torch.randperm(50_000, generator=g)[:12]] = 8.0 + 0.5 * torch.randn(12, generator=g)
+    params = SamplingParams(top_p=0.2)
+    allowed = sorted(allowed_set(logits, params))
+    assert 2 <= len(allowed) <= 11
+    tokens = torch.tensor([sample_row(logits, params, uniform(6, position))[0] for position in range(3000)])
+    assert set(tokens.tolist()) <= set(allowed)
+    counts = torch.tensor([float((tokens == t).sum()) for t in allowed], dtype=torch.float64)
+    assert chi2(counts, torch.softmax(logits.double()[allowed], dim=0)) < CHI2_BOUND
+
+
+def test_ties_at_the_nucleus_edge_keep_the_lower_ids():
+    logits = torch.full((20,), -30.0)
+    logits[3:7] = 0.0  # four tokens of probability ~1/4: top-p 0.4 keeps two of them
+    params = SamplingParams(top_p=0.4)
+    assert allowed_set(logits, params) == finite_set(filter_logits(logits[None], params)[0]) == {3, 4}
+    assert {sample_row(logits, params, uniform(1, position))[0] for position in range(400)} == {3, 4}
+
+
+def test_a_tiny_top_p_over_a_flat_large_vocabulary_draws_the_most_likely_token():
+    logits = torch.randn(50_257, generator=torch.Generator().manual_seed(9)) * 0.1
+    for position in range(5):  # (about log2(50,257) rejections each)
+        assert sample_row(logits, SamplingParams(top_p=1e-9), uniform(3, position))[0] == int(logits.argmax())
 
 
 @pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 12.0])  # flat (the whole vocabulary sorted) to peaked

@@ -107,7 +107,7 @@ def _cgroup_room() -> int | None:
 
 
 # Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
-# and sampling's temporaries (top-p sorts values and int64 indices, softmax, cumsum, masks). Measured on the
+# and sampling's temporaries (softmax, a float64 cumulative sum, masks; top-k's sort). Measured on the
 # first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
 VOCAB_BYTES_PER_ROW = 48
 

@@ -1,9 +1,14 @@
 """Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice.
 
-A sampled token is a fixed function of the row's logits, its request's seed and the token's position: the
-inverse of the filtered distribution's cumulative sum at one uniform number, :func:`uniform` of the seed and
-the position. Nothing else is drawn and no generator carries state from one token to the next, so a token
-checked later (speculative decoding's verification) is chosen exactly as it would have been in its own step.
+A sampled token is a fixed function of the row's logits, its request's seed and the token's position: one
+uniform number, :func:`uniform` of the seed and the position, and the numbers hashed from it; nothing else is
+drawn, and no generator carries state from one token to the next. So a token checked later (speculative
+decoding's verification) is chosen exactly as it would have been in its own step.
+
+Without top-k, top-p is sampled by rejection (:func:`_draw_nucleus`): a token is drawn from the whole
+distribution (less what min-p drops) and kept when it lies in the nucleus, else the draw is repeated among
+the tokens more likely than it. Each kept token then has exactly its filtered-softmax probability, and no
+step sorts the vocabulary: with ``top_p=0.95`` the first draw is kept 95% of the time.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 OCTAVES = 64
 LOG2_E = 1.4426950408889634
 MASK64 = 2**64 - 1
+GOLDEN = 0x9E3779B97F4A7C15
 
 
 def _mix64(x: int) -> int:
@@ -30,8 +36,13 @@ def _mix64(x: int) -> int:
 def uniform(seed: int, position: int) -> float:
     """The uniform number in [0, 1) a request with ``seed`` samples its token at ``position`` with: 53 bits
     of a counter-based hash of the two (splitmix64 over the seed, then over the position added to it)."""
-    key = _mix64((seed + 0x9E3779B97F4A7C15) & MASK64)
-    return (_mix64((key + (position + 1) * 0x9E3779B97F4A7C15) & MASK64) >> 11) * 2.0**-53
+    key = _mix64((seed + GOLDEN) & MASK64)
+    return (_mix64((key + (position + 1) * GOLDEN) & MASK64) >> 11) * 2.0**-53
+
+
+def _again(u: float, attempt: int) -> float:
+    """The uniform number of a draw repeated after ``attempt`` rejections, hashed from the first one ``u``."""
+    return (_mix64((int(u * 2.0**53) + attempt * GOLDEN) & MASK64) >> 11) * 2.0**-53
 
 
 @dataclass(frozen=True)
@@ -179,7 +190,7 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
         ids = (scaled >= kth).nonzero()[:, 0]  # (ties with the k-th stay)
     kept = scaled if ids is None else scaled[ids]
     if params.top_p < 1.0:
-        chosen = _top_p(kept, params.top_p)
+        chosen = _top_p(kept, params.top_p).sort().values  # (drawn in id order, as without top-k)
         ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
     if params.min_p > 0.0:
         probs = torch.softmax(kept, dim=-1)
@@ -203,10 +214,10 @@ def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     mass = torch.zeros(OCTAVES, dtype=probs.dtype, device=probs.device).scatter_add_(0, octave, probs)
     last = min(int((mass.cumsum(0) < top_p).sum()), OCTAVES - 1)
     candidates = (octave <= last).nonzero()[:, 0]
-    values, order = probs[candidates].sort(descending=True)
+    values, order = probs[candidates].sort(descending=True, stable=True)  # (ties: lower ids first)
     order, total = candidates[order], values.cumsum(0)
     if not bool(total[-1] >= top_p) and len(order) < len(probs):  # fall short in float32: sort them all
-        values, order = probs.sort(descending=True)
+        values, order = probs.sort(descending=True, stable=True)
         total = values.cumsum(0)
     kept = (total - values) < top_p
     kept[0] = True
@@ -214,16 +225,54 @@ def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
-    """The position of ``probs`` (n,) where its cumulative distribution (summed in float64) passes ``u``
-    (in [0, 1)) of its total; a token of probability 0 is never drawn."""
-    cumulative = probs.double().cumsum(0)
+    """The position of ``probs`` (n,) where its cumulative distribution, in id order and summed in float64,
+    passes ``u`` (in [0, 1)) of its total; a token of probability 0 is never drawn (where rounding puts the
+    point at the very end, the last token of positive probability is taken)."""
+    cumulative = probs.cumsum(0, dtype=torch.float64)
     point = torch.tensor(u, dtype=torch.float64, device=probs.device) * cumulative[-1]
-    return min(int(torch.searchsorted(cumulative, point, right=True)), len(probs) - 1)
+    i = int(torch.searchsorted(cumulative, point, right=True))
+    return i if i < len(probs) else int((probs > 0).nonzero()[-1, 0])
+
+
+def _draw_nucleus(probs: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """A token drawn from ``probs`` (V,) filtered by top-p then min-p, by rejection.
+
+    Draw from the tokens min-p keeps (in id order, at ``u``). Keep the token when the tokens before it in the
+    full sort's order (most likely first, ties by lower id) hold less than ``top_p`` (or there are none).
+    Else it and every token after it are outside the nucleus: draw again among the tokens before it, at a
+    number hashed from ``u``. A kept draw has exactly its filtered-softmax probability, and the first draw
+    is kept with the nucleus' probability (``top_p`` or more), so most tokens take one draw."""
+    support = probs
+    if params.min_p > 0.0:
+        support = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
+    for attempt in range(len(probs)):
+        token = _draw(support, u)
+        if params.top_p >= 1.0:
+            return token
+        p = probs[token]
+        before, ties = probs > p, probs[:token] == p
+        mass = torch.where(before, probs, 0.0).sum() + ties.sum() * p
+        if bool((mass < params.top_p) | (mass == 0)):
+            return token
+        before[:token] |= ties
+        support, u = torch.where(before, support, 0.0), _again(u, attempt)
+    raise AssertionError("unreachable: the most likely token is always kept")
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """One row's token from its processed logits (V,) (penalties applied): the argmax when greedy, else a
+    draw from the filtered softmax at the uniform number ``u`` (:func:`uniform` of its seed and position)."""
+    if params.greedy:
+        return int(logits.argmax())
+    if params.top_k == 0 and params.temperature >= torch.finfo(logits.dtype).tiny:
+        return _draw_nucleus(torch.softmax((logits - logits.max()) / params.temperature, dim=-1), params, u)
+    ids, kept = candidates(logits, params)
+    drawn = _draw(torch.softmax(kept, dim=-1), u)
+    return drawn if ids is None else int(ids[drawn])
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, uniforms: list[float]) -> torch.Tensor:
-    """Pick one token per row: argmax when greedy, else the inverse of each row's filtered distribution at
-    its own uniform number (:func:`uniform` of its seed and position).
+    """Pick one token per row (:func:`draw`), each at its own uniform number.
 
     Args:
         logits: (B, V) processed logits (penalties applied; temperature and filters not yet).
@@ -235,12 +284,8 @@ def choose(logits: torch.Tensor, params: SamplingParams, uniforms: list[float]) 
     """
     if params.greedy:
         return logits.argmax(dim=-1)
-    tokens = []
-    for row, u in zip(logits, uniforms, strict=True):
-        ids, kept = candidates(row, params)
-        drawn = _draw(torch.softmax(kept, dim=-1), u)
-        tokens.append(drawn if ids is None else int(ids[drawn]))
-    return torch.tensor(tokens, device=logits.device)
+    return torch.tensor([draw(row, params, u) for row, u in zip(logits, uniforms, strict=True)],
+                        device=logits.device)  # fmt: skip
 
 
 def sample_row(
@@ -272,7 +317,7 @@ def sample_row(
         row = logits[None]  # (1, V): the batch functions above, on one row
         if params.penalized and seen is not None and counts is not None:
             row = apply_penalties(row, seen[None], counts[None], params)
-        token = int(choose(row, params, [u])[0])
+        token = draw(row[0], params, u)
     if seen is not None and counts is not None:
         seen[token] = True
         counts[token] += 1
