@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import generate
+from checkpoints.load import SHIPPED_DIR
 from generate.engine.compiled import jit_step
 from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.sampling import SamplingParams
 from generate.engine.speculate import DraftProposer, NgramProposer, Speculator
 from helpers import FP32_TOL, GREEDY, TINY_CONFIGS, make_model
+from model import GPT, GPTConfig
 
 CONFIG = TINY_CONFIGS["2x2x32"]  # a 64-position window: many requests run into it
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
@@ -153,21 +155,38 @@ def test_proposals_past_an_eos_a_stop_string_or_the_budget_change_nothing(model,
         assert all(r.text.text.count(options["stop"][0]) <= 1 for r in spec)
 
 
-def test_the_shipped_model_speculating_through_the_api_gives_the_plain_text():
-    plain = generate.load("shakespeare")
-    ngram = generate.Generator(plain.model, draft="ngram")
-    prompts = ["ROMEO:\nI will, I will, I will go. ROMEO:\nI", "To be, or not to be, that is", "KING:"]
-    accepted = 0
-    for options in ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 3}):
-        a = plain.generate(prompts, max_new_tokens=40, logprobs=True, **options)
-        b = ngram.generate(prompts, max_new_tokens=40, logprobs=True, **options)
-        accepted += ngram._engine.speculator.stats()["accepted"]
+def shipped_prompts(count: int) -> list[str]:
+    """``count`` excerpts of the held-out text, 4 to 60 characters, every other one with its first half
+    quoted again at its end (prompt lookup's case)."""
+    text = (SHIPPED_DIR / "shakespeare" / "heldout.txt").read_text(encoding="utf-8")
+    g, out = torch.Generator().manual_seed(11), []
+    for i in range(count):
+        start, length = int(torch.randint(0, len(text) - 60, (1,), generator=g)), 4 + (i * 37) % 57
+        excerpt = text[start : start + length]
+        out.append(excerpt + excerpt[: length // 2] if i % 2 else excerpt)
+    return out
+
+
+def test_the_shipped_model_speculating_gives_the_plain_tokens_over_100_prompts():
+    # 16 rows through the API against plain decoding: greedy with prompt lookup (often taken), seeded with a
+    # random draft sharing the tokenizer (almost never right); then one prompt alone, streamed, both ways.
+    plain = generate.load("shakespeare", slots=16)
+    config = plain.model.config
+    tiny = GPT(GPTConfig(vocab_size=config.vocab_size, n_positions=config.n_positions, n_embd=32, n_layer=1,
+                         n_head=2)).eval()  # fmt: skip
+    ps = shipped_prompts(100)
+    seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 3}
+    for options, draft in (({"temperature": 0}, "ngram"), (seeded, tiny)):
+        a = plain.generate(ps, max_new_tokens=8, logprobs=True, **options)
+        gen = generate.Generator(plain.model, slots=16, draft=draft)
+        b = gen.generate(ps, max_new_tokens=8, logprobs=True, **options)
         for x, y in zip(a, b, strict=True):
-            assert x.text == y.text and x.token_ids == y.token_ids
+            assert x.token_ids == y.token_ids and x.text == y.text
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
-        streamed = "".join(ngram.stream(prompts[0], max_new_tokens=40, **options))
-        assert streamed == a[0].text
-    assert accepted > 0  # (proposals were taken)
+        assert gen.speculation["accepted"] > 0 if draft == "ngram" else gen.speculation["proposed"] > 0
+        alone = generate.Generator(plain.model, slots=1, draft="ngram")
+        text = plain.generate(ps[1], max_new_tokens=24, **options).text
+        assert "".join(alone.stream(ps[1], max_new_tokens=24, **options)) == text
 
 
 class OutOfRange:
