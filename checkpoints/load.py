@@ -334,6 +334,8 @@ def load(
         for width in sorted(widths | ({cfg.n_embd} if include_head else set())):
             int4.check_group_size(group_size, width)  # before any weight is read
     model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
+    if not quantize and device.type == "cpu":
+        _lay_out_weights(model)
     if quantize and not include_head:
         model.wte.to(COMPUTE_DTYPE)  # the head stays bf16: its pieces are cast as read, never held in fp32
     # Uninitialised memory on the device, strides kept: what to_empty does, but to_empty calls
@@ -360,6 +362,20 @@ def load(
             model = quantize_int8(model, include_head=include_head)
     _release_freed_memory()  # the pieces read are freed, but the heap they grew stays resident without this
     return model.eval()
+
+
+def _lay_out_weights(model: GPT) -> None:
+    """Give each linear layer's weight (out, in) the memory layout of its transpose, (in, out), as GPT-2's
+    files store it: on the CPU the BLAS's product of a few rows reads that layout faster (a decode step's
+    products: about 25% at GPT-2 124M's sizes, fp32 and bf16) and many rows as fast. Only where the output
+    width is a multiple of 16: there a row's result does not depend on its place among the rows (tested:
+    a request alone equals it beside others, bit for bit); the tied head keeps its (vocab, n_embd) layout,
+    whose odd width has products where it does. A fixed rule, the same layout in every process."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.out_features % 16 == 0:
+            weight = module.weight
+            transposed = torch.empty(weight.shape[::-1], dtype=weight.dtype, device=weight.device)
+            module.weight = torch.nn.Parameter(transposed.t(), requires_grad=weight.requires_grad)
 
 
 class _QuantLoad:

@@ -78,14 +78,14 @@ def check_compile_memory(model: GPT) -> None:
 
 
 def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
-    """The name of a compiled step: a digest of the weights, config, dtype, shapes, the code it is traced
-    from, torch and the CPU."""
+    """The name of a compiled step: a digest of the weights (and their layouts), config, dtype, shapes, the
+    code it is traced from, torch and the CPU."""
     h = hashlib.blake2b(digest_size=16)
     for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), Path(__file__)]:
         h.update(path.read_bytes())
     for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()};".encode())  # (a layout is compiled in)
         t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
     cpu = platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
