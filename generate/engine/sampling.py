@@ -251,7 +251,7 @@ def _draw_nucleus(probs: torch.Tensor, params: SamplingParams, u: float) -> int:
             return token
         p = probs[token]
         before, ties = probs > p, probs[:token] == p
-        mass = torch.where(before, probs, 0.0).sum() + ties.sum() * p
+        mass = torch.dot(probs, before.to(probs.dtype)) + ties.sum() * p
         if bool((mass < params.top_p) | (mass == 0)):
             return token
         before[:token] |= ties
