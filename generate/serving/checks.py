@@ -1,0 +1,93 @@
+"""A request's checks before it reaches the engine: the API key, the JSON body, the model name, the text."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Callable
+
+from starlette.requests import Request as HTTPRequest
+
+from generate.api import Generator
+from generate.serving import openai_api as oa
+from generate.serving.state import Settings, State
+
+
+def check_auth(state: State, request: HTTPRequest) -> None:
+    """Raise 401 unless the request carries the server's API key (when it has one) as a bearer token."""
+    key = state.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise oa.APIError(
+            "missing or wrong API key; send Authorization: Bearer <key>", status=401, code="invalid_api_key"
+        )
+
+
+async def read_json(request: HTTPRequest, settings: Settings) -> object:
+    """The request's body as JSON: 413 past ``settings.max_body`` bytes, 408 when it does not arrive within
+    ``settings.body_timeout`` seconds, 400 when it is not JSON."""
+    limit, length = settings.max_body, request.headers.get("content-length")
+    too_big = oa.APIError(
+        f"the request body exceeds {limit:,} bytes; send a smaller request", status=413, code="body_too_large"
+    )
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise too_big
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        body = await asyncio.wait_for(read(), settings.body_timeout)
+    except asyncio.TimeoutError:
+        raise oa.APIError(
+            f"the request body did not arrive within {settings.body_timeout:g} s (--body-timeout); send it "
+            "at once",
+            status=408,
+            code="body_timeout",
+        ) from None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise oa.APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def encoder(gen: Generator) -> Callable[[str], list[int]]:
+    """``gen``'s text encoder, refusing (400) a text that is not valid Unicode."""
+
+    def encode(text: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise oa.APIError(
+                "the text holds a lone UTF-16 surrogate; send valid Unicode", code="invalid_value"
+            ) from None
+        return gen.encode(text)
+
+    return encode
+
+
+def vocab(gen: Generator) -> int:
+    """The token ids a request may use: those both the model and the tokenizer know."""
+    return min(gen.model.config.vocab_size, gen.tokenizer.n_vocab)
+
+
+def check_model(state: State, body: object) -> None:
+    """Raise 404 when the body names a model other than the one served."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model != state.settings.model_name:
+        raise oa.APIError(
+            f"model {model!r} is not served here; this server serves "
+            f"{state.settings.model_name!r} (GET /v1/models)",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
