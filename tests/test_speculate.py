@@ -177,16 +177,16 @@ def test_the_shipped_model_speculating_gives_the_plain_tokens_over_100_prompts()
     ps = shipped_prompts(100)
     seeded = {"temperature": 0.8, "top_p": 0.95, "seed": 3}
     for options, draft in (({"temperature": 0}, "ngram"), (seeded, tiny)):
-        a = plain.generate(ps, max_new_tokens=8, logprobs=True, **options)
+        a = plain.generate(ps, max_new_tokens=6, logprobs=True, **options)
         gen = generate.Generator(plain.model, slots=16, draft=draft)
-        b = gen.generate(ps, max_new_tokens=8, logprobs=True, **options)
+        b = gen.generate(ps, max_new_tokens=6, logprobs=True, **options)
         for x, y in zip(a, b, strict=True):
             assert x.token_ids == y.token_ids and x.text == y.text
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-5
         assert gen.speculation["accepted"] > 0 if draft == "ngram" else gen.speculation["proposed"] > 0
         alone = generate.Generator(plain.model, slots=1, draft="ngram")
-        text = plain.generate(ps[1], max_new_tokens=24, **options).text
-        assert "".join(alone.stream(ps[1], max_new_tokens=24, **options)) == text
+        text = plain.generate(ps[1], max_new_tokens=16, **options).text
+        assert "".join(alone.stream(ps[1], max_new_tokens=16, **options)) == text
 
 
 class OutOfRange:
