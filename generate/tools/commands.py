@@ -3,7 +3,7 @@ causal attention.
 
 Like ``generate``, only the standard library is imported at module level; torch, the model and matplotlib
 are imported once the options are read (with Ctrl-C held during torch's import, see
-:func:`generate.tools.cli.import_holding_signals`).
+:func:`generate.tools.runner.import_holding_signals`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from generate.tools.cli import (
+from generate.tools.cli import read_text, stdin_text
+from generate.tools.options import (
     CommandParser,
     add_checkpoint_option,
     add_model_options,
     check_model_options,
-    import_holding_signals,
     load_generator,
-    read_text,
-    run_command,
-    stdin_text,
 )
+from generate.tools.runner import import_holding_signals, run_command
 
 SCORE_BATCH_SIZE = 4  # generate.score.DEFAULT_BATCH_SIZE, repeated so --help needs no torch
 MAX_MASK_TOKENS = 1024  # --mask loads no model, so no window bounds the text: this does
@@ -333,7 +331,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from generate.engine.request import check_max_new_tokens, check_seed
     from generate.engine.sampling import SamplingParams
     from generate.tools.batch import Defaults
-    from generate.tools.cli import unescape
+    from generate.tools.options import unescape
 
     defaults = Defaults(
         max_new_tokens=check_max_new_tokens(args.max_new_tokens),

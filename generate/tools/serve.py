@@ -22,15 +22,15 @@ import sys
 import threading
 from typing import Any
 
-from generate.tools.cli import (
+from generate.tools.options import (
     CommandParser,
     add_checkpoint_option,
     add_draft_option,
     add_model_options,
     check_model_options,
-    import_holding_signals,
     load_generator,
 )
+from generate.tools.runner import import_holding_signals
 
 PROG = "gptgen serve"
 PLAYGROUND = "gptgen playground"
