@@ -1,2 +1,3 @@
 """The commands: ``generate`` (``cli``), ``gptgen`` and its subcommands (``gptgen``, ``serve``,
-``commands``), batch jobs (``batch``, ``ray_batch``) and attention pictures (``plot``)."""
+``score_command``, ``attention_command``, ``batch_command``, with ``command_base`` what the last three share
+and ``commands`` naming them), batch jobs (``batch``, ``ray_batch``) and attention pictures (``plot``)."""

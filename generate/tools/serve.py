@@ -63,6 +63,13 @@ def build_parser(playground: bool = False) -> argparse.ArgumentParser:
         help="compile the decode step at start (kept on disk: later starts load it in seconds)",
     )
     add_draft_option(p)
+    _add_limit_options(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _add_limit_options(p: argparse.ArgumentParser) -> None:
+    """Add the options that bound the server's work: slots, queue, API key and timeouts."""
     p.add_argument("--max-slots", type=int, default=8, help="requests generated at once (default 8)")
     p.add_argument(
         "--max-queue",
@@ -93,8 +100,6 @@ def build_parser(playground: bool = False) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a request has to send its body once its headers are in; then 408 (default 30)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
