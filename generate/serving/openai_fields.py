@@ -69,16 +69,16 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _bad(param: str, message: str) -> APIError:
+def bad(param: str, message: str) -> APIError:
     return APIError(f"{param}: {message}", param=param, code="invalid_value")
 
 
-def _short(value: object) -> str:
+def short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
 
 
-def _int(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+def integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -89,11 +89,11 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int | None 
         or (high is not None and value > high)
     ):
         valid = f"an integer in {low}..{high}" if high is not None else f"an integer >= {low}"
-        raise _bad(name, f"got {value!r}; it must be {valid}")
+        raise bad(name, f"got {value!r}; it must be {valid}")
     return value
 
 
-def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], valid: str) -> float:
+def number(body: dict, name: str, default: float, ok: Callable[[float], bool], valid: str) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -102,26 +102,26 @@ def _number(body: dict, name: str, default: float, ok: Callable[[float], bool], 
     except OverflowError:
         number = math.nan
     if not math.isfinite(number) or not ok(number):
-        raise _bad(name, f"got {_short(value)}; it must be {valid}")
+        raise bad(name, f"got {short(value)}; it must be {valid}")
     return number
 
 
-def _bool(body: dict, name: str) -> bool:
+def boolean(body: dict, name: str) -> bool:
     value = body.get(name, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise _bad(name, f"got {value!r}; it must be true or false")
+        raise bad(name, f"got {value!r}; it must be true or false")
     return value
 
 
-def _check_fields(body: object, allowed: set[str]) -> dict:
+def check_fields(body: object, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
         if name in UNSUPPORTED:
             if not any(value == ok and type(value) is type(ok) for ok in UNSUPPORTED[name]):
-                raise _bad(name, f"got {value!r}; this server does not support {name} (leave it out)")
+                raise bad(name, f"got {value!r}; this server does not support {name} (leave it out)")
         elif name not in allowed:
             raise APIError(
                 f"unrecognized request field {name!r}; see the README's server section",
@@ -131,7 +131,7 @@ def _check_fields(body: object, allowed: set[str]) -> dict:
     return body
 
 
-def _token_list(value: object) -> bool:
+def is_token_list(value: object) -> bool:
     return (
         isinstance(value, list)
         and bool(value)
@@ -139,7 +139,7 @@ def _token_list(value: object) -> bool:
     )
 
 
-def _check_prompt(ids: list[int], vocab: int, window: int, param: str) -> None:
+def check_prompt_ids(ids: list[int], vocab: int, window: int, param: str) -> None:
     try:
         check_prompt(ids, vocab, window)
     except ValueError as e:

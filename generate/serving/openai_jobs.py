@@ -18,13 +18,13 @@ from generate.engine.sampling import SamplingParams
 from generate.serving.openai_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    _bad,
-    _bool,
-    _check_fields,
-    _check_prompt,
-    _int,
-    _number,
-    _token_list,
+    bad,
+    boolean,
+    check_fields,
+    check_prompt_ids,
+    integer,
+    is_token_list,
+    number,
 )
 
 MAX_N = 16  # choices per prompt
@@ -79,40 +79,40 @@ class Job:
 def _options(body: dict) -> dict[str, Any]:
     """The options both endpoints share."""
     sampling = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 means greedy)"),
-        top_p=_number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=_int(body, "top_k", 0, 0),
-        min_p=_number(body, "min_p", 0.0, lambda v: 0 <= v < 1, "in [0, 1)"),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, lambda v: v > 0, "> 0 (1 disables it)"),
-        presence_penalty=_number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        temperature=number(body, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 means greedy)"),
+        top_p=number(body, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=integer(body, "top_k", 0, 0),
+        min_p=number(body, "min_p", 0.0, lambda v: 0 <= v < 1, "in [0, 1)"),
+        repetition_penalty=number(body, "repetition_penalty", 1.0, lambda v: v > 0, "> 0 (1 disables it)"),
+        presence_penalty=number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
     )
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise _bad(
+        raise bad(
             "stop",
             f"got {body.get('stop')!r}; it must be a non-empty string or a list of at most "
             f"{MAX_STOP} non-empty strings",
         )
-    n = _int(body, "n", 1, 1, MAX_N)
-    seed = _int(body, "seed", None, 0, 2**64 - n)
+    n = integer(body, "n", 1, 1, MAX_N)
+    seed = integer(body, "seed", None, 0, 2**64 - n)
     stream_options = body.get("stream_options")
     if stream_options is not None and (
         not isinstance(stream_options, dict)
         or set(stream_options) - {"include_usage"}
         or not isinstance(stream_options.get("include_usage", False), bool)
     ):
-        raise _bad("stream_options", f'got {stream_options!r}; it must be {{"include_usage": true|false}}')
-    stream = _bool(body, "stream")
+        raise bad("stream_options", f'got {stream_options!r}; it must be {{"include_usage": true|false}}')
+    stream = boolean(body, "stream")
     if stream_options is not None and not stream:
-        raise _bad("stream_options", "it applies only with stream: true")
+        raise bad("stream_options", "it applies only with stream: true")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _bad("user", f"got {user!r}; it must be a string")
+        raise bad("user", f"got {user!r}; it must be a string")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("model", f"got {model!r}; it must be a string (see GET /v1/models)")
+        raise bad("model", f"got {model!r}; it must be a string (see GET /v1/models)")
     return dict(
         sampling=sampling,
         stop=tuple(stop),
@@ -134,33 +134,33 @@ def parse_completion(
 ) -> Job:
     """Check a ``/v1/completions`` body. ``prompt`` is a string, a list of strings, a list of token ids, or
     a list of such lists. Raises :class:`APIError` (400) naming the first bad field and its limit."""
-    body = _check_fields(body, COMPLETION_FIELDS)
+    body = check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _token_list(prompt):
+    if isinstance(prompt, str) or is_token_list(prompt):
         prompt = [prompt]
     if (
         not isinstance(prompt, list)
         or not prompt
-        or not all(isinstance(p, str) or _token_list(p) for p in prompt)
+        or not all(isinstance(p, str) or is_token_list(p) for p in prompt)
     ):
-        raise _bad(
+        raise bad(
             "prompt",
             "it must be a string, a list of strings, a list of token ids or a list of lists of "
             "token ids (none empty)",
         )
     if len(prompt) > MAX_PROMPTS:
-        raise _bad("prompt", f"got {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
+        raise bad("prompt", f"got {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
     ids = [encode(p) if isinstance(p, str) else list(p) for p in prompt]
     for i, p in enumerate(ids):
-        _check_prompt(p, vocab, window, "prompt" if len(ids) == 1 else f"prompt[{i}]")
-    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        check_prompt_ids(p, vocab, window, "prompt" if len(ids) == 1 else f"prompt[{i}]")
+    logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     options = _options(body)
     return Job(
         chat=False,
         prompts=ids,
-        max_tokens=_int(body, "max_tokens", 16, 0),
+        max_tokens=integer(body, "max_tokens", 16, 0),
         logprobs=logprobs,
-        echo=_bool(body, "echo"),
+        echo=boolean(body, "echo"),
         prompt_texts=[p if isinstance(p, str) else decode(p) for p in prompt],
         **options,
     )
@@ -169,22 +169,22 @@ def parse_completion(
 def render_chat(messages: object) -> str:
     """The documented chat template (module docstring). Raises :class:`APIError` for bad messages."""
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "it must be a non-empty list of {role, content} objects")
+        raise bad("messages", "it must be a non-empty list of {role, content} objects")
     lines = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise _bad(where, f"each message needs a role, one of {', '.join(CHAT_ROLES)}")
+            raise bad(where, f"each message needs a role, one of {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text ones
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                 for p in content
             ):
-                raise _bad(f"{where}.content", "only text parts ({type: text, text}) are supported")
+                raise bad(f"{where}.content", "only text parts ({type: text, text}) are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise _bad(f"{where}.content", f"got {content!r}; it must be a string or a list of text parts")
+            raise bad(f"{where}.content", f"got {content!r}; it must be a string or a list of text parts")
         lines.append(f"{CHAT_ROLES[message['role']]}: {content}")
     return "\n".join(lines) + "\nAssistant:"
 
@@ -192,21 +192,21 @@ def render_chat(messages: object) -> str:
 def parse_chat(body: object, *, encode: Callable[[str], list[int]], vocab: int, window: int) -> Job:
     """Check a ``/v1/chat/completions`` body; the messages are rendered with :func:`render_chat`.
     ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of the window."""
-    body = _check_fields(body, CHAT_FIELDS)
+    body = check_fields(body, CHAT_FIELDS)
     text = render_chat(body.get("messages"))
     ids = encode(text)
-    _check_prompt(ids, vocab, window, "messages")
-    top = _int(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    check_prompt_ids(ids, vocab, window, "messages")
+    top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and body.get("logprobs") is not True:
-        raise _bad("top_logprobs", "it needs logprobs: true")
-    limit = _int(body, "max_completion_tokens", None, 0)
-    old_limit = _int(body, "max_tokens", window, 0)  # checked even when max_completion_tokens is given
+        raise bad("top_logprobs", "it needs logprobs: true")
+    limit = integer(body, "max_completion_tokens", None, 0)
+    old_limit = integer(body, "max_tokens", window, 0)  # checked even when max_completion_tokens is given
     limit = old_limit if limit is None else limit
     return Job(
         chat=True,
         prompts=[ids],
         max_tokens=limit,
-        logprobs=(top or 0) if _bool(body, "logprobs") else None,
+        logprobs=(top or 0) if boolean(body, "logprobs") else None,
         echo=False,
         prompt_texts=[text],
         **_options(body),

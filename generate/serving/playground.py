@@ -64,17 +64,17 @@ def parse_attention(
     """Check a ``/v1/attention`` body: ``prompt`` (a string, or a non-empty list of token ids) and optional
     ``layer``, ``head`` and ``query`` (one of each; every one when left out). Raises :class:`oa.APIError`
     (400) naming the bad field, its value and the limit."""
-    body = fields._check_fields(body, FIELDS)
+    body = fields.check_fields(body, FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         ids = encode(prompt)
-    elif fields._token_list(prompt):
+    elif fields.is_token_list(prompt):
         ids = list(prompt)
     else:
-        raise fields._bad("prompt", "it must be a string or a non-empty list of token ids")
+        raise fields.bad("prompt", "it must be a string or a non-empty list of token ids")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise fields._bad("prompt", f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+        raise fields.bad("prompt", f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
     window = config.n_positions
     if len(ids) > min(window, MAX_TOKENS):
         limit = f"the model's window holds {window}" if len(ids) > window else f"at most {MAX_TOKENS} a call"
@@ -83,9 +83,9 @@ def parse_attention(
             param="prompt",
             code="context_length_exceeded" if len(ids) > window else "too_many_tokens",
         )
-    layer = fields._int(body, "layer", None, 0, config.n_layer - 1)
-    head = fields._int(body, "head", None, 0, config.n_head - 1)
-    query = fields._int(body, "query", None, 0, len(ids) - 1)
+    layer = fields.integer(body, "layer", None, 0, config.n_layer - 1)
+    head = fields.integer(body, "head", None, 0, config.n_head - 1)
+    query = fields.integer(body, "query", None, 0, len(ids) - 1)
     ask = AttentionAsk(
         ids,
         list(range(config.n_layer)) if layer is None else [layer],
