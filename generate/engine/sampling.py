@@ -19,9 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Powers of two below the most likely token's probability that top-p's candidate set is chosen among.
-OCTAVES = 64
-LOG2_E = 1.4426950408889634
 MASK64 = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15
 
@@ -173,8 +170,8 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     the temperature.
 
     Each filter works on the tokens the one before kept: top-k, then top-p over their softmax, then min-p.
-    Only the survivors are handled after a filter, so sampling costs about a greedy step's time: top-p
-    sorts a candidate set, not the vocabulary (:func:`_top_p`).
+    Sampling comes here with top-k (a few candidates) or a tiny temperature; :func:`filter_logits` with
+    anything (its top-p without top-k sorts the vocabulary).
     """
     # Shift the top logit to 0 first: a tiny temperature then sends the others to -inf, never to inf/inf. A
     # temperature below the dtype's smallest normal number (fp32: 1.2e-38) would round to 0 and make the top
@@ -200,26 +197,14 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
 
 
 def _top_p(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The positions in ``scaled`` (n,) logits (the top one 0) of the smallest set of most likely tokens whose
-    probability sum reaches ``top_p``.
+    """The positions in ``scaled`` (n,) logits of the smallest set of most likely tokens (ties: lower
+    positions first) whose probability sum reaches ``top_p``.
 
-    A token is dropped when the tokens before it (most likely first) already reach ``top_p``; the first is
-    always kept (a ``top_p`` below float32's smallest number rounds to 0, which the first token's 0 would
-    reach). Only a candidate set is sorted: the tokens within a power of two of the most likely one, the
-    least power at which their mass reaches ``top_p`` (one pass over the vocabulary). Every token outside
-    it would be dropped (the candidates before it reach ``top_p``), so the set is the full sort's; when the
-    sorted candidates' own sum falls short in float32, the whole vocabulary is sorted instead."""
-    probs = torch.softmax(scaled, dim=-1)
-    octave = (scaled * -LOG2_E).floor_().clamp_(max=OCTAVES - 1).long()  # log2(top / p); -inf: the last
-    mass = torch.zeros(OCTAVES, dtype=probs.dtype, device=probs.device).scatter_add_(0, octave, probs)
-    last = min(int((mass.cumsum(0) < top_p).sum()), OCTAVES - 1)
-    candidates = (octave <= last).nonzero()[:, 0]
-    values, order = probs[candidates].sort(descending=True, stable=True)  # (ties: lower ids first)
-    order, total = candidates[order], values.cumsum(0)
-    if not bool(total[-1] >= top_p) and len(order) < len(probs):  # fall short in float32: sort them all
-        values, order = probs.sort(descending=True, stable=True)
-        total = values.cumsum(0)
-    kept = (total - values) < top_p
+    A token is dropped when the tokens before it already reach ``top_p``; the first is always kept (a
+    ``top_p`` below float32's smallest number rounds to 0, which the first token's 0 would reach). A sort:
+    sampling reaches it with top-k's few candidates only (without top-k it draws by rejection instead)."""
+    values, order = torch.softmax(scaled, dim=-1).sort(descending=True, stable=True)
+    kept = (values.cumsum(0) - values) < top_p
     kept[0] = True
     return order[kept]
 
