@@ -1,19 +1,12 @@
 """The compiled decode step: one library per checkpoint, dtype and engine width, kept on disk.
 
-On the CPU the step is exported (``torch.export``) over a KV cache of the whole window, with the number of
-cache chunks it reads as its one dynamic size, so one compile serves every prompt length and every
-``max_new_tokens``. AOTInductor compiles it with ``freezing`` (the weights become constants, prepacked for the
-GEMM kernels; inductor freezes only with grad off) and ``max_autotune``. The package's shared library, which
-holds the kernels and the weights, is kept in the user's cache (:func:`cache_dir`, under ``steps/``) and a
-later process maps it directly: its name is a digest of everything the compiled code depends on (the weights'
-bytes, the config, the dtype, the width, the source of ``model/`` and of this module, torch, the CPU). After
-a compile the least recently used libraries go until the folder holds at most ``$GPTGEN_CACHE_MAX_GB``
-(default 8) GiB. Inductor's own caches (autotuning, kernels) live under ``inductor/`` beside them.
-
-On the CPU, autotuning picks the GEMM kernels once, when the step is compiled; the library then runs those
-kernels in every step and every process that loads it, and a row's bits are fixed by the step's shapes
-(:mod:`generate.engine.runner`). On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph)
-over the whole window, compiled in each process.
+On the CPU the step is exported over a KV cache of the whole window, with the number of cache chunks it reads
+as its one dynamic size, so one compile serves every prompt length and ``max_new_tokens``. AOTInductor
+compiles it with ``freezing`` (the weights become constants, prepacked for the GEMM kernels) and
+``max_autotune``, which picks the kernels once, at compile time. The shared library (kernels and weights) is
+kept under :func:`generate.engine.store.cache_dir` and named by a digest of all it depends on (weights,
+config, dtype, width, the source of ``model/`` and of this module, torch, the CPU), so a later process loads
+it directly. On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph), in each process.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ log = logging.getLogger("gptgen")
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
-# Inductor's settings on the CPU; the last two keep autotuning's tables off stderr (progress is ours).
+# Inductor's settings on the CPU (the last two keep autotuning's tables off stderr).
 CPU_OPTIONS = {
     "freezing": True,
     "max_autotune": True,
@@ -97,8 +90,8 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
 
 
 class _Step(torch.nn.Module):
-    """The decode step as a module to export: the cache's buffers are inputs, written in place; the length
-    of ``chunks`` (a tensor of no elements) is how many chunks of cache positions attention reads."""
+    """The step to export: the cache's buffers are inputs, written in place; the length of ``chunks`` (a
+    tensor of no elements) is how many chunks of cache positions attention reads."""
 
     def __init__(self, model: GPT) -> None:
         super().__init__()
@@ -173,8 +166,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         package = Path(work) / "step.pt2"
         torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                  inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
-        # The package is a zip holding one shared library (kernels and weights): keep that alone, so a
-        # later process maps it directly instead of unpacking the zip again.
+        # Keep the package's one shared library alone: a later process loads it without unpacking a zip.
         with zipfile.ZipFile(package) as archive:
             libraries = [name for name in archive.namelist() if name.endswith(".so")]
             if len(libraries) != 1:
@@ -219,19 +211,17 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
 
 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
-    """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once. It reads
-    the whole cache whatever span it is given (one graph; the bits are the same, see the runner)."""
+    """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once; it
+    reads the whole cache whatever span it is given."""
     store.use_inductor_cache()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
-        # The cache's buffers are inputs, not captured: a graph dynamo keeps for this code serves another
-        # engine's cache of the same shapes with that cache's buffers (captured, it would use the first's).
+        # The buffers are inputs, not captured: a graph dynamo keeps serves another engine's cache too.
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
         return _forward(model, buffers, tokens, positions, buffers.max_len)
 
     cuda = model.device.type == "cuda"
-    # Written in place at fixed addresses: CUDA graphs may replay the step. (Not on the CPU: inductor's
-    # freezing would fold a buffer so marked into the graph, which another engine's cache then reuses.)
+    # Fixed addresses for CUDA graphs' replays (not on the CPU: freezing would fold such a buffer in).
     for buffer in (*cache.k, *cache.v) if cuda else ():
         torch._dynamo.mark_static_address(buffer)
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
@@ -248,10 +238,8 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
 
 
 def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
-    """The compiled step of ``model`` over ``cache``, ready to run: (slots, width) token ids and positions
-    and a span -> (slots, V) logits of the last position for a width of 1, else (slots, width, V). On the
-    CPU an AOTInductor library kept on disk (:func:`packaged_step`); elsewhere ``torch.compile``'s
-    (:func:`jit_step`)."""
+    """The compiled step of ``model`` over ``cache`` (see :data:`Step`): on the CPU an AOTInductor library
+    kept on disk (:func:`packaged_step`), elsewhere ``torch.compile``'s (:func:`jit_step`)."""
     if model.device.type == "cpu":
         return packaged_step(model, cache, progress, width)
     return jit_step(model, cache, progress, width)

@@ -1,12 +1,10 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
 Each step admits waiting requests into free slots, prefills at most :data:`PREFILL_CHUNK` prompt positions
-(each prompt alone, in chunks at fixed multiples of it, so a long prompt never stalls the others' tokens for
-more than a chunk's time), then runs one decode step over every slot: each row feeds its last token at its own
-position. A finished request frees its slot at once. The decode step has one row per slot, whichever slots
-are busy, and reads the cache in whole chunks (:mod:`generate.engine.runner`), so a row's bits do not depend
-on the other rows: a request's tokens, logprobs and logits are the same whoever shares the engine, when they
-join or leave and how long they are.
+(each prompt alone, cut at fixed multiples of it), then runs one decode step over every slot, busy or not,
+each row at its own position. The step's shapes are fixed and attention reads the cache in whole chunks
+(:mod:`generate.engine.runner`), so a request's tokens, logprobs and logits do not depend on who shares the
+engine, when they join or leave, or how long they are.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ def raise_errors(requests: list[Request]) -> None:
             raise GenerationError(r.error)
 
 
-# Prompt positions a step prefills at most (one chunk of a prompt, or several short prompts); a prompt is cut
-# into chunks at multiples of it, so its bits depend on the prompt alone.
+# Prompt positions a step prefills at most; a prompt is cut at multiples of it, so its bits are its own.
 PREFILL_CHUNK = 32
 OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
 
@@ -48,19 +45,15 @@ class Engine:
     Args:
         model: the model (eval mode).
         slots: how many requests run at once (rows of every decode step).
-        max_len: cache positions per slot (default the model's window); a request whose prompt plus output
-            reaches it finishes with ``"length"``. It changes no bits: a step reads the whole chunks that
-            hold its rows (:class:`generate.engine.runner.Runner`). A compiled engine holds the whole window.
+        max_len: cache positions per slot (default, and when compiled, the model's window); a request
+            reaching it finishes with ``"length"``. It changes no bits.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
-        compile: run the decode step compiled (see :class:`generate.engine.runner.Runner`).
-        progress: with ``compile``, called with a line of text as the compile goes on.
-        speculate: check proposed tokens in each step (:mod:`generate.engine.speculate`); the tokens are
-            those of this engine with no proposals.
+        compile: run the decode step compiled; ``progress`` is then called with lines of text as it goes.
+        speculate: check proposed tokens in each step (:mod:`generate.engine.speculate`).
 
-    Whatever goes wrong with one request (its logits not finite, its sampling or text failing) ends that
-    request alone with ``finish_reason`` ``"error"`` (its ``error`` says why); the other rows go on as if
-    it had never been there. Callers raise :class:`GenerationError` for their own (:func:`raise_errors`).
+    Whatever goes wrong with one request (non-finite logits, its sampling or text failing) ends it alone
+    with ``finish_reason`` ``"error"`` (``error`` says why); the other rows go on as if it had not been there.
 
     Raises:
         ValueError: for a slot count or ``max_len`` out of range.
@@ -228,18 +221,15 @@ class Engine:
         """Choose the next token of every slot in ``rows`` (slot -> its row of ``logits``, (N, V)); a slot
         with ``proposals`` goes on to the rows after its own while each token equals the proposal."""
         events = []
-        # All rows at once (idle ones too: no copy of the rows wanted): the finiteness sums, and the argmax
-        # plain greedy rows take (exact either way: a sum is only a quick test; argmax has no order to differ
-        # in). A finite sum means finite logits (one reduction, against ~85 us for isfinite().all() on 50k
-        # logits); a sum that overflowed is checked exactly. (8 rows of GPT-2: 0.69 -> 0.45 ms a step.)
-        # Each row starts at an aligned address, as a lone request's in slot 0 does: a GPU's reductions
-        # (the softmax of sampling and logprobs) take another path, summing in another order, on a row that
-        # starts off the alignment its vectorised loads need.
+        # Every row at once: a finite sum means finite logits (one reduction; an overflowed sum is checked
+        # exactly), and argmax has no order to differ in. Each row starts at an aligned address, as a lone
+        # request's does: a GPU's reductions sum in another order on a row off its vector alignment.
         width = -(-self.vocab // 64) * 64
         block = logits.new_empty(len(logits), width, dtype=torch.float32)[:, : self.vocab]
         block.copy_(logits[:, : self.vocab])
         finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
-        plain = {slot for slot in rows if self._plain_greedy(slot)}
+        sampling = {slot: self.running[slot].sampling for slot in rows}
+        plain = {slot for slot, params in sampling.items() if params.greedy and not params.penalized}
         argmax = block.argmax(-1).tolist() if plain else None
         for slot, first in rows.items():
             request = self.running[slot]
@@ -285,11 +275,6 @@ class Engine:
         self._free(slot)
         request.error = message
         request.finish("error")
-
-    def _plain_greedy(self, slot: int) -> bool:
-        """Whether the slot's request takes the argmax of its logits as they are (greedy, no penalty)."""
-        sampling = self.running[slot].sampling
-        return sampling.greedy and not sampling.penalized
 
     def _free(self, slot: int) -> None:
         request = self.running.pop(slot)
