@@ -6,12 +6,20 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.attention import CHUNK, CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
-from model.embedding import TiedEmbedding
+
+
+class TiedEmbedding(nn.Embedding):
+    """The token embedding, which is also the output head: :meth:`project` maps hidden states to logits."""
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""
+        return F.linear(x, self.weight)
 
 
 def _activation(name: str) -> nn.Module:

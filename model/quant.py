@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.embedding import TiedEmbedding
+from model.gpt import TiedEmbedding
 
 COMPUTE_DTYPE = torch.bfloat16
 
