@@ -75,14 +75,6 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
 
 
-def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The fp32 matrix the codes stand for, (N, K): the reference the kernels are tested against."""
-    q = unpack_codes(codes).float()
-    groups = scales_zeros.shape[0]
-    s, z = scales_zeros.float().permute(2, 1, 0)  # (N, G) each
-    return ((q.view(q.shape[0], groups, -1) - 8) * s[..., None] + z[..., None]).view(q.shape)
-
-
 def _padded(rows: int) -> int:
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
