@@ -11,34 +11,14 @@ from torch import nn
 # The kept causal mask covers at most this many positions (4 MiB of bools); a longer sequence builds its own.
 MASK_BUFFER_POSITIONS = 2048
 
-# A decode step sums over cache positions in chunks of this many, the chunks added in order (see
-# CausalAttention.decode). A KV cache holds a whole number of chunks; a step reads a whole number of them.
+# A decode step sums over cache positions in chunks of this many (CausalAttention.decode); a cache holds whole
+# chunks.
 CHUNK = 64
 
 
 class CausalAttention(nn.Module):
-    """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output).
-
-    Two ways to call it:
-
-    - The reference: the whole sequence at once, no cache. The causal mask is ``torch.triu(ones,
-      diagonal=1)`` (True = may not attend), kept as a non-persistent buffer, sliced to the sequence and
-      applied with ``-inf`` before the softmax.
-    - Over a KV cache, with explicit positions: every row has its own positions. The new keys and values are
-      written into the row's cache at those positions (an index write), and a query at position ``p`` attends
-      to the cached keys at positions ``<= p`` (a mask made from positions).
-
-    Args:
-        d_in: width of the input.
-        d_out: width of the output; split into ``num_heads`` heads of ``d_out // num_heads``.
-        context_length: the longest sequence the mask covers.
-        dropout: dropout probability on the attention weights, applied in training only.
-        num_heads: number of heads.
-        qkv_bias: whether the query, key and value projections have a bias.
-
-    Raises:
-        ValueError: if ``d_out`` is not divisible by ``num_heads`` or a size is not positive.
-    """
+    """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output); without
+    a cache the reference, masked by a kept ``triu(ones, diagonal=1)`` (True = may not attend)."""
 
     def __init__(
         self,
@@ -57,28 +37,21 @@ class CausalAttention(nn.Module):
             )
         if d_out % num_heads != 0:
             raise ValueError(f"d_out ({d_out}) must be divisible by num_heads ({num_heads})")
-        self.d_out = d_out
-        self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
-        self.context_length = context_length
-        self.dropout = dropout
+        self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
+        self.context_length, self.dropout = context_length, dropout
         self.c_attn = nn.Linear(d_in, 3 * d_out, bias=qkv_bias)  # query, key, value stacked in that order
         self.c_proj = nn.Linear(d_out, d_out)
-        self.register_buffer(
-            "mask", self._causal_mask(context_length, self.c_attn.weight.device), persistent=False
-        )
+        self.register_buffer("mask", self._causal_mask(self.c_attn.weight.device), persistent=False)
 
-    @staticmethod
-    def _causal_mask(context_length: int, device: torch.device | None) -> torch.Tensor:
-        size = min(context_length, MASK_BUFFER_POSITIONS)
+    def _causal_mask(self, device: torch.device | None, size: int | None = None) -> torch.Tensor:
+        size = min(self.context_length, MASK_BUFFER_POSITIONS) if size is None else size
         ones = torch.ones(size, size, dtype=torch.bool, device=device)
-        if ones.is_meta:  # shapes only; reset_buffers() builds the mask once the model has real memory
-            return ones
-        return torch.triu(ones, diagonal=1)
+        # On meta (shapes only) reset_buffers() builds the mask once the model has real memory.
+        return ones if ones.is_meta else torch.triu(ones, diagonal=1)
 
     def reset_buffers(self) -> None:
         """Rebuild the causal mask in place (after ``to_empty``, which leaves buffers uninitialised)."""
-        self.mask = self._causal_mask(self.context_length, self.mask.device)
+        self.mask = self._causal_mask(self.mask.device)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
@@ -94,14 +67,12 @@ class CausalAttention(nn.Module):
                 f"({self.context_length}); shorten the input"
             )
         if t > self.mask.shape[0]:  # past the kept buffer: this call's own
-            return torch.triu(torch.ones(t, t, dtype=torch.bool, device=self.mask.device), diagonal=1)
+            return self._causal_mask(self.mask.device, t)
         return self.mask[:t, :t]
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference's softmax attention weights, computed explicitly: (B, num_heads, T, T).
-
-        Dropout is applied in training mode, as in ``forward``.
-        """
+        """The reference's softmax attention weights, computed explicitly (with dropout in training mode):
+        (B, num_heads, T, T)."""
         q, k, _ = self._qkv(x)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         scores = scores.masked_fill(self._blocked(x.shape[1]), float("-inf"))
@@ -117,25 +88,12 @@ class CausalAttention(nn.Module):
         span: int | None = None,
         step: bool = False,
     ) -> torch.Tensor:
-        """Attend each new position to itself and every earlier one.
+        """Attend each new position of ``x`` (B, T, d_in) to itself and every earlier one: (B, T, d_out).
 
-        Args:
-            x: input of shape (B, T, d_in).
-            positions: (B, T) position of every new token in its row; needed with ``kv``. Without ``kv``
-                the positions are ``0 .. T-1`` (the reference forward).
-            kv: the rows' key and value caches, each (B, num_heads, positions, head_dim). The new keys and
-                values are written at ``positions``; attention reads cache positions ``0 .. span-1``, and a
-                query at position ``p`` sees the keys at positions ``<= p``.
-            span: how many cache positions attention reads (default all); it must exceed every position.
-                With one new token per row (a decode step), or ``step``, it must be whole chunks of
-                :data:`CHUNK`.
-                What lies past a row's own positions is masked and must be finite (a NaN value times a
-                weight of 0 is NaN; :meth:`model.KVCache.clear` zeroes a slot).
-            step: sum over the cache in fixed chunks (:meth:`decode`) with several new tokens per row too
-                (a speculative step's); one new token per row always does.
-
-        Returns:
-            Tensor of shape (B, T, d_out).
+        With ``kv``, the rows' key and value caches (B, num_heads, positions, head_dim), the new keys and
+        values are written at ``positions`` (B, T), and attention reads cache positions ``0 .. span-1``
+        (default all; those past a row's positions are masked but must be finite: NaN times 0 is NaN). It sums
+        in fixed chunks (:meth:`decode`) with one new token per row, or with ``step`` several.
         """
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
@@ -163,23 +121,14 @@ class CausalAttention(nn.Module):
     def decode(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocked: torch.Tensor
     ) -> torch.Tensor:
-        """A few queries per row over ``span`` cached positions, so that a row's bits depend on it alone.
+        """Attention for a few queries per row whose bits depend on the row alone, not on the span.
 
-        Every sum runs over a length fixed by the model, never by the span: a score is a dot product of
-        ``head_dim`` terms; the softmax's denominator and the weighted values are summed within chunks of
-        :data:`CHUNK` positions, and the chunks' sums are added in order (a cumulative sum). A position past
-        the row's own has a weight of exactly 0, so a chunk wholly past it adds exactly 0: reading more
-        chunks (because another row is further on) changes no bits. The maximum is exact in any order. The
-        work is in fp32 whatever the cache's dtype. (It holds B x nh x T x span x hs products at once: for a
-        step's few queries, not for a prompt.)
-
-        Args:
-            q: (B, nh, T, hs) the rows' queries.
-            keys, values: (B, nh, span, hs), span a whole number of :data:`CHUNK` positions.
-            blocked: (B, 1, T, span) True where a key lies past the query's position.
-
-        Returns:
-            (B, nh, T, hs) in the cache's dtype.
+        Every sum runs over a length fixed by the model: scores over ``head_dim``, the softmax's denominator
+        and weighted values within :data:`CHUNK` positions, then the chunks' sums in order. A chunk wholly
+        past a row's positions adds exactly 0, so reading more chunks (for another row) changes no bits; the
+        maximum is exact in any order. In fp32, holding B x nh x T x span x hs products (a step's few queries,
+        not a prompt's). ``q`` is (B, nh, T, hs), ``keys`` and ``values`` (B, nh, span, hs), ``blocked``
+        (B, 1, T, span) True past the query's position; returns (B, nh, T, hs) in the cache's dtype.
         """
         b, nh, t, hs = q.shape
         chunks = keys.shape[2] // CHUNK

@@ -9,27 +9,12 @@ from model.config import GPTConfig
 
 
 class KVCache:
-    """Static key/value buffers, one pair per layer of shape (slots, n_head, positions, head_dim), and each
-    slot's length. ``positions`` is ``max_len`` rounded up to whole chunks of
-    :data:`model.attention.CHUNK` positions (a decode step reads whole chunks; the positions past ``max_len``
-    are never written and stay zero).
+    """Static key/value buffers, one pair per layer (slots, n_head, positions, head_dim); each slot's length.
 
-    A slot is one sequence's row. ``GPT.forward(..., cache=cache, positions=...)`` writes the new keys and
-    values of each row at that row's own positions (an index write) and attention masks by position, so
-    slots hold sequences of different lengths side by side: no padding, no shared offset, no shifting.
-    ``lengths[s]`` is how many positions slot ``s`` holds; whoever feeds the model (the engine) keeps it.
-    Each layer's buffers are separate tensors, so a compiled step takes them as separate inputs and writes
-    each in place.
-
-    Args:
-        config: the model's configuration.
-        slots: rows in the cache.
-        max_len: positions each slot holds, at most ``config.n_positions``.
-        dtype: element type, normally the model's compute dtype.
-        device: where the buffers live.
-
-    Raises:
-        ValueError: if ``slots`` or ``max_len`` is not positive or ``max_len`` exceeds the window.
+    A slot is one sequence's row, written at its own positions, so slots hold sequences of different lengths
+    side by side (no padding, no shared offset); the engine keeps ``lengths``. ``positions`` is ``max_len``
+    (at most ``n_positions``) in whole chunks of :data:`model.attention.CHUNK`; past ``max_len`` nothing is
+    written. Layers' buffers are separate tensors: a compiled step takes each as an input, written in place.
     """
 
     def __init__(
@@ -47,27 +32,13 @@ class KVCache:
             raise ValueError(
                 f"max_len must be in 1..{config.n_positions} (the model's n_positions), got {max_len}"
             )
-        made = (config, slots, max_len, dtype, device)
-        self.k = [self.buffer(*made) for _ in range(config.n_layer)]
-        self.v = [self.buffer(*made) for _ in range(config.n_layer)]
-        self.slots = slots
-        self.max_len = max_len
-        self.lengths = [0] * slots
-
-    @staticmethod
-    def buffer(
-        config: GPTConfig, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str | None
-    ) -> torch.Tensor:
-        """One layer's zeroed key (or value) buffer, (slots, n_head, positions, head_dim), ``max_len``
-        rounded up to whole chunks.
-
-        Its storage holds one position more, never used: the keys a step reads are then never the whole
-        buffer, so a step exported with its span as a dynamic size needs no case for the span that would be
-        (``torch.export`` refused the span's range: whether the slice is contiguous depends on it).
-        """
         positions = -(-max_len // CHUNK) * CHUNK
-        shape = (slots, config.n_head, positions + 1, config.head_dim)
-        return torch.zeros(shape, dtype=dtype, device=device)[:, :, :positions]
+        # One position more in storage, never used: a step's keys are then never the whole buffer, so a step
+        # exported with a dynamic span needs no case for a contiguous slice (which torch.export refused).
+        shape, layers = (slots, config.n_head, positions + 1, config.head_dim), range(config.n_layer)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :positions] for _ in layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)[:, :, :positions] for _ in layers]
+        self.slots, self.max_len, self.lengths = slots, max_len, [0] * slots
 
     @classmethod
     def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
@@ -79,8 +50,7 @@ class KVCache:
         return cache
 
     def layer(self, index: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's key and value buffers, each (slots, n_head, positions, head_dim), or with ``slot``
-        that slot's alone, (1, n_head, positions, head_dim) (views: writes land in the cache)."""
+        """One layer's key and value buffers, or with ``slot`` that slot's alone (views: writes land here)."""
         if slot is None:
             return self.k[index], self.v[index]
         return self.k[index][slot : slot + 1], self.v[index][slot : slot + 1]
@@ -100,5 +70,4 @@ class KVCache:
     @staticmethod
     def bytes_per_token(config: GPTConfig, dtype: torch.dtype = torch.float32) -> int:
         """Cache bytes one position of one row takes: keys and values for every layer."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layer * config.n_embd * itemsize
+        return 2 * config.n_layer * config.n_embd * dtype.itemsize

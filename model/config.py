@@ -6,19 +6,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-# Activation names as they appear in Hugging Face config.json files. GPT-2 uses "gelu_new", the tanh
-# approximation; "gelu_fast" and "gelu_pytorch_tanh" are the same function written differently.
+# Activation names as in Hugging Face config.json files (GPT-2's, "gelu_new", is GELU's tanh approximation).
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Hyperparameters of a GPT-2-style decoder; field names match Hugging Face ``GPT2Config``.
-
-    Raises:
-        ValueError: on construction, if a size is not positive, ``n_embd`` is not divisible by
-            ``n_head``, a dropout probability is outside [0, 1), or the activation is unknown.
-    """
+    """Hyperparameters of a GPT-2-style decoder, checked on construction (``ValueError`` names the field)."""
 
     vocab_size: int = 50257
     n_positions: int = 1024
@@ -33,17 +27,13 @@ class GPTConfig:
     attn_pdrop: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner"):
             value = getattr(self, name)
+            if name == "n_inner" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_inner is not None and (
-            isinstance(self.n_inner, bool) or not isinstance(self.n_inner, int) or self.n_inner <= 0
-        ):
-            raise ValueError(
-                f"GPTConfig.n_inner must be a positive integer or None (meaning 4 * n_embd), "
-                f"got {self.n_inner!r}"
-            )
+                hint = " or None (meaning 4 * n_embd)" if name == "n_inner" else ""
+                raise ValueError(f"GPTConfig.{name} must be a positive integer{hint}, got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
@@ -74,26 +64,10 @@ class GPTConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: object) -> GPTConfig:
-        """Return the configuration of a published GPT-2 model, looked up by its exact name.
-
-        Args:
-            name: one of ``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``distilgpt2``.
-            **overrides: fields to change, e.g. ``n_positions=256``.
-
-        Raises:
-            ValueError: if ``name`` is not a preset name.
-
-        Example:
-            >>> GPTConfig.from_preset("gpt2-medium").n_layer
-            24
-        """
+        """A published GPT-2 model's configuration (``name`` a key of :data:`PRESETS`), with ``overrides``."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; the presets are {', '.join(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
-
-    def replace(self, **changes: object) -> GPTConfig:
-        """Return a copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
 
 
 PRESETS: dict[str, GPTConfig] = {

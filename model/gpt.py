@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.attention import CHUNK, CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
-from model.embedding import TiedEmbedding
+
+# Every other name in config.ACTIVATIONS is GELU's tanh approximation.
+_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "swish": nn.SiLU}
 
 
-def _activation(name: str) -> nn.Module:
-    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return nn.GELU(approximate="tanh")
-    if name == "gelu":
-        return nn.GELU()
-    if name == "relu":
-        return nn.ReLU()
-    return nn.SiLU()  # "silu" / "swish"; GPTConfig has rejected anything else
+class TiedEmbedding(nn.Embedding):
+    """The token embedding, which is also the output head."""
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""
+        return F.linear(x, self.weight)
 
 
 class MLP(nn.Module):
@@ -29,8 +31,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        name = config.activation_function
         self.c_fc = nn.Linear(config.n_embd, config.inner_dim)
-        self.act = _activation(config.activation_function)
+        self.act = _ACTIVATIONS[name]() if name in _ACTIVATIONS else nn.GELU(approximate="tanh")
         self.c_proj = nn.Linear(config.inner_dim, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,60 +47,34 @@ class Block(nn.Module):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = CausalAttention(
-            config.n_embd,
-            config.n_embd,
-            config.n_positions,
-            dropout=config.attn_pdrop,
-            num_heads=config.n_head,
-            qkv_bias=True,
+            config.n_embd, config.n_embd, config.n_positions, config.attn_pdrop, config.n_head, qkv_bias=True
         )
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        positions: torch.Tensor | None = None,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-        span: int | None = None,
-        step: bool = False,
-    ) -> torch.Tensor:
-        a = self.attn(self.ln_1(x), positions=positions, kv=kv, span=span, step=step)
-        x = x + self.resid_dropout(a)
+    def forward(self, x: torch.Tensor, **attend: Any) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.ln_1(x), **attend))
         return x + self.resid_dropout(self.mlp(self.ln_2(x)))
 
 
 class GPT(nn.Module):
-    """A GPT-2-family language model.
+    """A GPT-2-family language model, its submodules named as in checkpoints (``wte``, ``h.N.attn.c_attn``).
 
-    Submodules carry the checkpoint's names (``wte``, ``wpe``, ``h.N.attn.c_attn``, ``ln_f``...), so a
-    Hugging Face GPT-2 state dict maps onto it by dropping the ``transformer.`` prefix and transposing the
-    four Conv1D weights. The output head is the token embedding matrix (tied), so there is no ``lm_head``.
-
-    Args:
-        config: the model's hyperparameters.
-
-    Example:
-        >>> model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=100, n_positions=32))
-        >>> model(torch.tensor([[1, 2, 3]])).shape
-        torch.Size([1, 3, 100])
+    A Hugging Face GPT-2 state dict maps onto it without the ``transformer.`` prefix, its four Conv1D weights
+    transposed; the head is the token embedding (tied), so there is no ``lm_head``.
     """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        # Built on the meta device (shapes only: checkpoints.load then reads every weight), nothing is
-        # initialised: a meta normal_ runs a Python reference that imports torch._dynamo and sympy, 75 MB
-        # resident for the rest of the process. Given a weight, nn.Embedding skips its initialiser.
+        # On the meta device (shapes only: checkpoints.load reads every weight) nothing is initialised: a meta
+        # normal_ imports torch._dynamo and sympy (75 MB). Given a weight, nn.Embedding skips its initialiser.
         shapes_only = torch.empty(()).is_meta
-
-        def weight(rows: int) -> torch.Tensor | None:
-            return torch.empty(rows, config.n_embd) if shapes_only else None
-
-        self.wte = TiedEmbedding(config.vocab_size, config.n_embd, _weight=weight(config.vocab_size))
-        self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=weight(config.n_positions))
+        wte = torch.empty(config.vocab_size, config.n_embd) if shapes_only else None
+        wpe = torch.empty(config.n_positions, config.n_embd) if shapes_only else None
+        self.wte = TiedEmbedding(config.vocab_size, config.n_embd, _weight=wte)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd, _weight=wpe)
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
@@ -118,8 +95,7 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def _share_causal_mask(self) -> None:
-        # Every layer slices the same (n_positions, n_positions) mask: hold one tensor, not n_layer copies
-        # (12 MiB for GPT-2 124M, 48 MiB for 1.5B).
+        # Every layer slices the same mask: hold one tensor, not n_layer copies (48 MiB for GPT-2 1.5B).
         mask = self.h[0].attn.mask
         for block in self.h[1:]:
             block.attn.mask = mask
@@ -130,8 +106,7 @@ class GPT(nn.Module):
         return self
 
     def reset_buffers(self) -> None:
-        """Rebuild the non-persistent buffers (the causal mask, shared by every layer), e.g. after
-        ``to_empty``."""
+        """Rebuild the shared causal mask, e.g. after ``to_empty``."""
         self.h[0].attn.reset_buffers()
         self._share_causal_mask()
 
@@ -146,29 +121,14 @@ class GPT(nn.Module):
         last_only: bool = False,
         step: bool = False,
     ) -> torch.Tensor:
-        """Compute next-token logits.
+        """Next-token logits for ``input_ids`` (B, T): (B, T, vocab_size), or with ``last_only`` (B, 1, V).
 
-        Args:
-            input_ids: token ids, (B, T).
-            positions: (B, T) the position of every token in its row, needed with ``cache``. Without a
-                cache this is the plain full-sequence causal forward (positions ``0 .. T-1``), the reference
-                every cached path is tested against.
-            cache: a :class:`KVCache`; each row's keys and values are written into its slot at its
-                positions, and each token attends to its row's cached positions up to its own.
-            slot: with a cache, the one slot the single row (B = 1) belongs to; None: row ``i`` is slot
-                ``i`` and B equals the cache's slot count.
-            span: how many cache positions attention reads (default: the whole slot, ``cache.max_len``);
-                every position must be below it. A decode step (one token per row) reads it rounded up to
-                whole chunks of :data:`model.attention.CHUNK` positions.
-            last_only: compute logits for the last position only (what generation needs).
-            step: with a cache, a step of a few tokens per row (speculative decoding's): attention as in a
-                decode step, over whole chunks (:meth:`model.CausalAttention.decode`).
-
-        Returns:
-            Logits of shape (B, T, vocab_size), or (B, 1, vocab_size) with ``last_only``.
-
-        Raises:
-            ValueError: if the positions exceed ``n_positions``, the cache or the span, or shapes disagree.
+        Without a cache: the full-sequence causal forward (positions ``0 .. T-1``), the reference every cached
+        path is tested against. With one, each row's keys and values are written into its slot (row ``i`` in
+        slot ``i``, or the single row in ``slot``) at its ``positions`` (B, T), and each token attends to its
+        row's cached positions below ``span`` (default ``cache.max_len``) up to its own. A ``step`` (a few
+        tokens per row, speculative decoding's; one per row always is one) attends as a decode step does
+        (:meth:`model.CausalAttention.decode`), over ``span`` rounded up to whole chunks.
         """
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
@@ -178,28 +138,21 @@ class GPT(nn.Module):
             x = self._reference(input_ids)
         else:
             step = step or input_ids.shape[1] == 1
-            span = self._check_cached(input_ids, positions, cache, slot, span, step)
+            span = self._check_cached(input_ids, positions, cache, slot, span)
+            span = -(-span // CHUNK) * CHUNK if step else span
             x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
             for i, block in enumerate(self.h):
                 x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, step=step)
-        if last_only:
-            x = x[:, -1:]
+        x = x[:, -1:] if last_only else x
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The reference forward up to the output head: (B, T, n_embd), after ``ln_f``.
-
-        ``self.wte.project`` of it is :meth:`forward`'s logits; scoring projects only the positions it
-        scores (a whole window's logits are T x 50,257 floats).
-        """
+        """The reference forward up to the head, (B, T, n_embd): ``self.wte.project`` of it is the logits."""
         return self.ln_f(self._reference(input_ids))
 
     def attention_weights(self, input_ids: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
-        """Causal softmax attention weights of the reference forward: (len(layers), B, n_head, T, T), every
-        layer by default. Row ``q`` of a head holds how much position ``q`` attends to each position; in
-        eval mode each row sums to 1 and the future (above the diagonal) is exactly 0. Computed explicitly
-        by each layer's :meth:`CausalAttention.attention_weights` from the input that layer's forward
-        gets; only the layers asked for are kept (all of GPT-2 XL's at 1,024 tokens would be 4.8 GB)."""
+        """The reference forward's attention weights, (len(layers), B, n_head, T, T), every layer by default;
+        only the layers asked for are kept (all of GPT-2 XL's at 1,024 tokens would be 4.8 GB)."""
         wanted = list(range(len(self.h))) if layers is None else [int(i) for i in layers]
         if any(not 0 <= i < len(self.h) for i in wanted):
             raise ValueError(f"layers {wanted} must be in 0..{len(self.h) - 1}")
@@ -210,8 +163,7 @@ class GPT(nn.Module):
     def _reference(
         self, input_ids: torch.Tensor, attention: dict[int, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """The plain full-sequence causal forward (positions ``0 .. T-1``, no cache) up to ``ln_f``; the
-        attention weights of each layer keyed in ``attention`` are stored there."""
+        """The full-sequence forward up to ``ln_f``; fills ``attention`` with its keyed layers' weights."""
         t = input_ids.shape[1]
         if t == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
@@ -228,20 +180,14 @@ class GPT(nn.Module):
             x = block(x)
         return x
 
+    @staticmethod
     def _check_cached(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None,
-        cache: KVCache,
-        slot: int | None,
-        span: int | None,
-        step: bool,
+        ids: torch.Tensor, positions: torch.Tensor | None, cache: KVCache, slot: int | None, span: int | None
     ) -> int:
-        """Check a cached call's shapes (and, outside a compiled graph, its positions); return the span it
-        reads: ``span`` (default ``cache.max_len``), for a step rounded up to whole chunks."""
-        b, t = input_ids.shape
-        if positions is None or tuple(positions.shape) != (b, t):
-            shape = None if positions is None else tuple(positions.shape)
+        """Check a cached call's shapes (and, outside a compiled graph, its positions); return its span."""
+        b, t = ids.shape
+        shape = None if positions is None else tuple(positions.shape)
+        if shape != (b, t):
             raise ValueError(
                 f"a cached forward needs positions of shape {(b, t)}, one per token; got {shape}"
             )
@@ -263,7 +209,7 @@ class GPT(nn.Module):
                     f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
                     "larger cache or shorten the input"
                 )
-        return -(-span // CHUNK) * CHUNK if step else span
+        return span
 
     @property
     def compute_dtype(self) -> torch.dtype:

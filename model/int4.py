@@ -1,16 +1,10 @@
 """Int4 weight-only quantization: 4-bit codes in groups along each row, a bf16 scale and zero per group.
 
-A decode step's time is the time to read the weights; int4 is a quarter of bf16's bytes (plus one scale and
-zero per group). Each group of ``group_size`` weights along a row is mapped to codes 0..15 with
-``w ~= (code - 8) * scale + zero``, the form stock PyTorch's int4 kernels take: on the CPU
-``aten._weight_int4pack_mm_for_cpu`` and on CUDA ``aten._weight_int4pack_mm`` (both: bf16 activations,
-scales and zeros as one (K / group_size, N, 2) tensor). Each kernel wants its own packed layout, made by its
-``_convert_weight_to_int4pack*`` op, and the CPU one wants N a multiple of 16; rows are padded with zero rows
-to a multiple of :data:`ROW_BLOCK` (GPT-2's 50,257-row head becomes 50,304 rows) and the padded outputs are
-sliced off: every output column is its own row's sum, so the padding changes no real output.
-
-Codes are also kept plainly, two to a byte (even column in the low nibble), for the tied embedding's lookup:
-the kernel's layout is internal to it, and a lookup reads only the rows it needs.
+Codes 0..15 stand for ``(code - 8) * scale + zero``, the form of stock PyTorch's int4 kernels (CPU
+``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packed layout.
+Rows are padded with zero rows to a multiple of :data:`ROW_BLOCK` (the CPU's wants N a multiple of 16) and
+the padded outputs sliced off: each output column is its own row's sum, so padding changes no real output.
+The tied embedding also keeps its codes plainly, two to a byte, for a lookup that reads only its rows.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
 ROW_BLOCK = 64
-# Weights quantized or packed per pass: bounds the fp32 and int32 temporaries (2**20 weights: 4 MiB each), so
-# loading never holds much more than the quantized model (GPT-2's head packed at once took 126 MB more).
+# Weights quantized or packed per pass: bounds the temporaries (4 MiB each) while loading.
 WEIGHTS_PER_PASS = 2**20
 # CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
 INNER_K_TILES = 8
@@ -43,14 +36,11 @@ def check_group_size(group_size: int, width: int | None = None) -> None:
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit codes per group of ``group_size`` columns: ``w ~= (code - 8) * scale + zero``.
+    """Asymmetric 4-bit codes per group of ``group_size`` columns: ``(codes, scales_zeros)``, uint8 (N, K / 2)
+    two a byte (even column in the low nibble), and bf16 (K / group_size, N, 2), the kernels' layout.
 
-    Scale and zero are rounded to bf16 first and the codes chosen against the rounded values. Rows are
+    Scale and zero are rounded to bf16 first, the codes chosen against the rounded values. Rows are
     independent: quantizing a matrix in row pieces gives the same result.
-
-    Returns:
-        ``(codes, scales_zeros)``: uint8 (N, K / 2), two codes a byte (even column in the low nibble), and
-        bf16 (K / group_size, N, 2), the kernels' layout.
     """
     n, k = weight.shape
     check_group_size(group_size, k)
@@ -75,14 +65,6 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
     return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
 
 
-def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """The fp32 matrix the codes stand for, (N, K): the reference the kernels are tested against."""
-    q = unpack_codes(codes).float()
-    groups = scales_zeros.shape[0]
-    s, z = scales_zeros.float().permute(2, 1, 0)  # (N, G) each
-    return ((q.view(q.shape[0], groups, -1) - 8) * s[..., None] + z[..., None]).view(q.shape)
-
-
 def _padded(rows: int) -> int:
     return -(-rows // ROW_BLOCK) * ROW_BLOCK
 
@@ -102,12 +84,8 @@ def _pack_piece(piece: torch.Tensor) -> torch.Tensor:
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """The kernel layout for ``codes`` (N, K / 2) on their device, rows padded to a multiple of
-    :data:`ROW_BLOCK` with code 0 (their scales and zeros are 0 too, so they compute 0).
-
-    Packed in passes of whole row blocks, which pack independently (both layouts keep a row block's bytes
-    together, in row order along the first dimension), into one preallocated tensor.
-    """
+    """The kernel layout for ``codes`` (N, K / 2), rows padded with code 0 to whole :data:`ROW_BLOCK`, packed
+    in passes of whole row blocks (both layouts keep a block's bytes together, in row order along dim 0)."""
     n, half = codes.shape
     total, step = _padded(n), _rows_per_pass(2 * half)
     out = None
@@ -133,20 +111,17 @@ def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor, n: int):
     """``x @ W.T`` for the int4 matrix W of ``n`` real rows: (..., K) -> (..., n), bf16."""
-    rows = as_rows(x)
-    if packed.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_zeros)
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+    ops = torch.ops.aten
+    mm = ops._weight_int4pack_mm if packed.device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
+    y = mm(as_rows(x), packed, group_size, scales_zeros)
     return y[:, :n].reshape(*x.shape[:-1], n)
 
 
 class Int4Linear(nn.Module):
-    """A quantized ``nn.Linear``: int4 weight in the kernel's layout, bf16 scales, zeros and bias."""
+    """A quantized ``nn.Linear`` from :func:`quantize_groups`' output for its weight (N, K), and its bias."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None) -> None:  # fmt: skip
-        """From :func:`quantize_groups`' output for the layer's weight (N, K), and its bias."""
         super().__init__()
         self.group_size, self.out_features = group_size, codes.shape[0]
         self.register_buffer("packed", pack(codes))
@@ -164,11 +139,10 @@ class Int4Linear(nn.Module):
 
 
 class Int4TiedEmbedding(nn.Module):
-    """A quantized :class:`TiedEmbedding`: the head's product runs in the int4 kernel; the lookup
-    dequantizes the rows it needs from the plain codes (so both use the same int4 values)."""
+    """A quantized :class:`TiedEmbedding` from :func:`quantize_groups`' output: the head's product runs in the
+    int4 kernel, the lookup dequantizes the rows it needs from the plain codes."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> None:
-        """From :func:`quantize_groups`' output for the embedding's weight (V, C)."""
         super().__init__()
         self.group_size, self.vocab_size = group_size, codes.shape[0]
         self.register_buffer("codes", codes)
@@ -187,8 +161,7 @@ class Int4TiedEmbedding(nn.Module):
 
 
 def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, include_head: bool = True) -> bool:
-    """Replace ``parent``'s child ``name`` by its int4 form if it is a linear layer (or, with
-    ``include_head``, the tied embedding/head). Returns whether it did; the original child is dropped."""
+    """:func:`model.quant.quantize_child` with int4 layers."""
     return quantize_child(
         parent,
         name,
@@ -201,8 +174,7 @@ def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, includ
 def quantize_int4(
     model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE, *, include_head: bool = True
 ) -> nn.Module:
-    """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int4 in place;
-    everything else moves to bf16, the activation dtype. Returns the model, in eval mode (inference only)."""
+    """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int4 in place."""
     check_group_size(group_size)
     return quantize_model(
         model, lambda parent, name: quantize_child_int4(parent, name, group_size, include_head=include_head)

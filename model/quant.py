@@ -1,12 +1,8 @@
 """Int8 weight-only quantization: int8 matrices with one bf16 scale per output row, bf16 activations.
 
-A decode step's time is the time to read the weights; int8 halves the bytes of bf16 (quarter of fp32). A
-product of a few rows runs in ``torch.ops.aten._weight_int8pack_mm``, which reads the int8 weights and scales
-directly; from :data:`DEQUANT_ROWS` rows (a prompt), a kernel that works row by row is the slower way, so the
-weights are turned into bf16 a block of :data:`ROWS_PER_PASS` output rows at a time (int8 is exact in bf16)
-for the bf16 matrix product, and the scales applied to its bf16 output (one rounding more than the kernel):
-1.6-4x faster on 32-512 rows (AMD Zen 4), never a second whole copy of the weights. The rule is by shape, so
-a product's bits follow from its shapes.
+Under :data:`DEQUANT_ROWS` input rows a product runs in ``aten._weight_int8pack_mm``; from there (a prompt)
+that kernel is slower, so blocks of :data:`ROWS_PER_PASS` weight rows turn into bf16 (exactly) for a bf16
+product, scaled after (one rounding more). The way is chosen by shape, so a product's bits follow from shapes.
 """
 
 from __future__ import annotations
@@ -17,23 +13,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.embedding import TiedEmbedding
+from model.gpt import TiedEmbedding
 
 COMPUTE_DTYPE = torch.bfloat16
-
-
-# Rows quantized (or turned into bf16 for a product) per pass: bounds the temporary (4096 rows of 768: 12 MiB
-# in fp32; GPT-2's head has 50,257).
+# Rows quantized (or turned into bf16 for a product) per pass: bounds the temporary (12 MiB for 768 columns).
 ROWS_PER_PASS = 4096
 DEQUANT_ROWS = 16  # input rows from which a product runs in bf16 (about where the two ways cost the same)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: ``weight ~= q * scale[:, None]`` with ``q`` in [-127, 127].
-
-    Returns:
-        ``(q, scale)``: int8 (N, K) and bf16 (N,).
-    """
+    """Symmetric per-row int8, ``weight ~= q * scale[:, None]``: ``(q, scale)``, int8 (N, K) in [-127, 127]
+    and bf16 (N,)."""
     w = weight.detach().float()
     low, high = w.aminmax(dim=1)  # the largest magnitude per row, without an abs() copy of the matrix
     scale = (torch.maximum(-low, high) / 127.0).clamp(min=1e-12)
@@ -45,8 +35,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as (rows, K) in the compute dtype, the quantized kernels' input. (A ``.to`` that changes nothing
-    still costs a call: 1 us, about 50 us in a GPT-2 124M decode step.)"""
+    """``x`` as (rows, K) in the compute dtype, the kernels' input (a ``.to`` that changes nothing costs)."""
     rows = x.reshape(-1, x.shape[-1])
     return rows if rows.dtype == COMPUTE_DTYPE else rows.to(COMPUTE_DTYPE)
 
@@ -70,8 +59,7 @@ class Int8Linear(nn.Module):
         q, scale = quantize_rows(linear.weight)
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
-        bias = None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE)
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(COMPUTE_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _int8_mm(x, self.q, self.scale)
@@ -79,11 +67,9 @@ class Int8Linear(nn.Module):
 
 
 class Int8TiedEmbedding(nn.Module):
-    """A quantized :class:`TiedEmbedding`: one int8 matrix serves the lookup (rows times their scales)
-    and the output head (an int8 product)."""
+    """A quantized :class:`TiedEmbedding` from :func:`quantize_rows`' output, for lookup and output head."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """From :func:`quantize_rows`' output for the embedding's weight: int8 (V, C) and bf16 (V,)."""
         super().__init__()
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
@@ -102,37 +88,27 @@ def quantize_child(
     *,
     include_head: bool = True,
     linear: Callable[[nn.Linear], nn.Module] = Int8Linear,
-    head: Callable[[torch.Tensor], nn.Module] | None = None,
+    head: Callable[[torch.Tensor], nn.Module] = lambda weight: Int8TiedEmbedding(*quantize_rows(weight)),
 ) -> bool:
-    """Replace ``parent``'s child ``name`` by its quantized form if it is a linear layer (or, with
-    ``include_head``, the tied embedding/head). Returns whether it did; the original child is dropped.
-    ``linear`` and ``head`` build the quantized layers (default int8; ``model.int4`` passes its own)."""
+    """Replace ``parent``'s child ``name`` by ``linear(child)`` if it is a linear layer, or (with
+    ``include_head``) by ``head(weight)`` if it is the tied embedding; return whether it did."""
     child = getattr(parent, name)
     if isinstance(child, nn.Linear):
         setattr(parent, name, linear(child))
     elif include_head and isinstance(child, TiedEmbedding):
-        setattr(parent, name, (head or _int8_head)(child.weight))
+        setattr(parent, name, head(child.weight))
     else:
         return False
     return True
 
 
-def _int8_head(weight: torch.Tensor) -> Int8TiedEmbedding:
-    return Int8TiedEmbedding(*quantize_rows(weight))
-
-
 def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
-    """Quantize a GPT's linear layers (and, with ``include_head``, its tied embedding/head) to int8 in place.
-
-    Everything else (LayerNorms, position embeddings, the head when not included) moves to bf16, the
-    activation dtype. Returns the model, in eval mode; it is for inference only.
-    """
+    """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int8 in place."""
     return quantize_model(model, lambda parent, name: quantize_child(parent, name, include_head=include_head))
 
 
 def quantize_model(model: nn.Module, quantize: Callable[[nn.Module, str], bool]) -> nn.Module:
-    """Apply ``quantize(parent, name)`` to every child of every module (quantized from the weights' own
-    precision, before any cast), then move the rest to bf16. Returns the model, in eval mode."""
+    """Apply ``quantize(parent, name)`` to every module's children, then cast the rest to bf16; eval mode."""
     for module in list(model.modules()):
         for name, _ in list(module.named_children()):
             quantize(module, name)

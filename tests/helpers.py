@@ -13,6 +13,7 @@ from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.sampling import SamplingParams
 from model import GPT, GPTConfig, KVCache
+from model.int4 import unpack_codes
 
 # Tolerances against the full forward (test_prefix_consistency's docstring says why these). fp32's is relative
 # to the largest logit's magnitude when that is above 1 (assert_engine_matches_full_forward).
@@ -69,6 +70,14 @@ def cached_logits(
         start += size
     assert start == t
     return torch.cat(out, dim=1)
+
+
+def dequantize(codes: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix int4 codes stand for, (N, K): the reference the int4 kernels are tested against."""
+    q = unpack_codes(codes).float()
+    groups = scales_zeros.shape[0]
+    s, z = scales_zeros.float().permute(2, 1, 0)  # (N, G) each
+    return ((q.view(q.shape[0], groups, -1) - 8) * s[..., None] + z[..., None]).view(q.shape)
 
 
 def hf_model(seed: int = 0, **config: object) -> transformers.GPT2LMHeadModel:

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from generate import SamplingParams, generate_ids
-from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, make_model
+from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, dequantize, make_model
 from model import int4
-from model.int4 import Int4Linear, Int4TiedEmbedding, dequantize, quantize_groups, quantize_int4
+from model.int4 import Int4Linear, Int4TiedEmbedding, quantize_groups, quantize_int4
 
 
 @pytest.mark.parametrize("group_size", int4.GROUP_SIZES)
