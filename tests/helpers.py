@@ -11,7 +11,7 @@ import transformers
 import checkpoints
 from generate.engine.engine import Engine
 from generate.engine.request import Request
-from generate.engine.sampling import SamplingParams
+from generate.engine.sampling import SamplingParams, candidates, draw
 from model import GPT, GPTConfig, KVCache
 from model.int4 import unpack_codes
 
@@ -162,3 +162,22 @@ def mixed_requests(config, seed, count=6):
         prompt = torch.randint(0, config.vocab_size, (length,), generator=g).tolist()
         out.append(Request(prompt, GREEDY, max_new_tokens=3 + 2 * i, eos_id=None))
     return out
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Reference: each row's logits shifted (its top one to 0) and divided by the temperature, with the tokens
+    top-k, top-p and min-p exclude at ``-inf`` (at least each row's most likely token stays finite)."""
+    out = torch.full_like(logits, float("-inf"))
+    for row, values in enumerate(logits):
+        ids, kept = candidates(values, params)
+        out[row, slice(None) if ids is None else ids] = kept
+    return out
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, uniforms: list[float]) -> torch.Tensor:
+    """(B,) int64 tokens: each row of (B, V) processed ``logits`` drawn (``sampling.draw``) at its own uniform
+    number (unused when greedy)."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    tokens = [draw(row, params, u) for row, u in zip(logits, uniforms, strict=True)]
+    return torch.tensor(tokens, device=logits.device)

@@ -5,14 +5,8 @@ import math
 import pytest
 import torch
 
-from generate.engine.sampling import (
-    SamplingParams,
-    apply_penalties,
-    choose,
-    filter_logits,
-    sample_row,
-    uniform,
-)
+from generate.engine.sampling import SamplingParams, apply_penalties, sample_row, uniform
+from helpers import choose, filter_logits
 
 V = 20
 

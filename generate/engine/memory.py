@@ -16,29 +16,30 @@ CGROUP_DIR = Path("/sys/fs/cgroup")  # cgroup v2's files (v1 keeps its memory fi
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device``, or None if unknown.
-
-    On the CPU, the least of Linux's MemAvailable, the room under this process's address-space limit
-    (``ulimit -v``, against its current size) and the room under its container's memory limit (cgroup v2
-    ``memory.max``, or v1 ``memory.limit_in_bytes``, against current usage): a limit below the machine's
-    free memory is what an allocation runs into first.
-    """
+    """Bytes that can still be allocated on ``device``, or None if unknown: on the CPU, the least of Linux's
+    MemAvailable and the room under this process's address-space limit (``ulimit -v``) and its container's
+    memory limit (cgroup v2 or v1), which an allocation may run into before the machine's free memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    rooms = [_meminfo_available(), _address_space_room(), _cgroup_room()]
-    known = [r for r in rooms if r is not None]
+    rooms = [_proc_bytes("/proc/meminfo", "MemAvailable:")]
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            size = _proc_bytes("/proc/self/status", "VmSize:")
+            rooms.append(None if size is None else limit - size)
+    except (ImportError, OSError, ValueError):
+        pass
+    known = [r for r in [*rooms, _cgroup_room()] if r is not None]
     return max(0, min(known)) if known else None
 
 
 def out_of_memory(error: BaseException, advice: str) -> MemoryError | None:
-    """torch's allocator failure as a MemoryError that says what it means and what to do; None otherwise.
-
-    The CPU allocator raises a RuntimeError such as ``[enforce fail at alloc_cpu.cpp:127] data.
-    DefaultCPUAllocator: not enough memory: you tried to allocate 123 bytes``; CUDA raises
-    ``torch.OutOfMemoryError``. ``advice`` ends the message: what the caller can change.
-    """
+    """torch's allocator failure (the CPU's RuntimeError, CUDA's ``torch.OutOfMemoryError``) as a MemoryError
+    that says so, the failed allocation's size and then ``advice``, what the caller can change; else None."""
     text = str(error)
     cpu = isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "alloc_cpu" in text)
     if not (cpu or isinstance(error, torch.OutOfMemoryError)):
@@ -63,36 +64,19 @@ def said_plainly(advice: str) -> Iterator[None]:
         raise oom from e
 
 
+def _proc_bytes(path: str, key: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _read_number(path: Path) -> int | None:
     try:
         text = path.read_text(encoding="ascii").strip()
         return None if text == "max" else int(text)
     except (OSError, ValueError):
-        return None
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _address_space_room() -> int | None:
-    try:
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if limit == resource.RLIM_INFINITY:
-            return None
-        with open("/proc/self/status", encoding="ascii") as f:
-            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-        return limit - size
-    except (ImportError, OSError, ValueError, StopIteration):
         return None
 
 
@@ -106,29 +90,22 @@ def _cgroup_room() -> int | None:
     return None
 
 
-# Bytes per vocabulary entry of each row that a step holds at its peak: fp32 logits, penalty counts and flags,
-# and sampling's temporaries (softmax, a float64 cumulative sum, masks; top-k's sort). Measured on the
-# first engine: a 512-row batch with top-p, a repetition penalty and logprobs raised peak RSS by 41 bytes.
+# A step's peak bytes per row and vocab entry: logits, penalty state, sampling's temporaries (41 measured)
 VOCAB_BYTES_PER_ROW = 48
-
-
-def request_bytes(config: GPTConfig, slots: int, cache_len: int, prompt_len: int, dtype: torch.dtype) -> int:
-    """Memory an engine needs beyond the weights: the KV cache, per-row vocabulary-sized state (logits,
-    penalty counts) and one prefill's activations (attention scores included)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
-    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
-    per_row_vocab = slots * config.vocab_size * VOCAB_BYTES_PER_ROW
-    # (the cached attention holds three fp32 (n_head, T, T) tensors at its peak: scores, masked, softmax)
-    prefill = prompt_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * prompt_len * 4)
-    return cache + per_row_vocab + prefill
 
 
 def check_engine_memory(
     config: GPTConfig, slots: int, cache_len: int, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit."""
-    needed, free = request_bytes(config, slots, cache_len, cache_len, dtype), available_memory(device)
+    """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit: beyond
+    the weights it needs the KV cache, per-row vocabulary-sized state and one prefill's activations."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
+    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
+    # (a prefill's cached attention holds three fp32 (n_head, T, T) tensors at its peak)
+    prefill = cache_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * cache_len * 4)
+    needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
+    free = available_memory(device)
     if free is not None and needed > free:
         raise MemoryError(
             f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "

@@ -12,20 +12,8 @@ from generate.engine.sampling import SamplingParams
 from generate.engine.text import TextTracker
 
 
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def check_seed(seed: object) -> int | None:
-    """Return ``seed`` as an int (None stays None).
-
-    Raises:
-        ValueError: unless it is None or an integer (numpy integers too) in 0 .. 2**64 - 1.
-    """
+    """Return ``seed`` as an int (None stays None); ValueError unless it is an integer in 0..2**64-1."""
     if seed is None:
         return None
     try:
@@ -38,11 +26,7 @@ def check_seed(seed: object) -> int | None:
 
 
 def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
-    """Check one token id prompt against the model's vocabulary and window.
-
-    Raises:
-        ValueError: for an empty prompt, an id outside ``0..vocab-1``, or one that leaves no room to generate.
-    """
+    """ValueError unless ``prompt`` is 1 to ``window - 1`` token ids, integers in ``0..vocab-1``."""
     if len(prompt) == 0:
         raise ValueError("the prompt has no tokens; start it with <|endoftext|> (id 50256) for none")
     if len(prompt) >= window:
@@ -65,9 +49,8 @@ def make_requests(
     window: int,
     **fields: object,
 ) -> list[Request]:
-    """One :class:`Request` per prompt, every one checked before any runs: ``seed`` is one seed for every
-    prompt or one per prompt; ``fields`` are the other :class:`Request` fields. An error names a bad prompt
-    by its index (``prompt i``, from 0) where there are several."""
+    """One :class:`Request` per prompt, all checked before any runs: ``seed`` is one for all or one per
+    prompt; ``fields`` are the other :class:`Request` fields. An error names a bad prompt (``prompt i``)."""
     if not prompts:
         raise ValueError("no prompts given; pass at least one")
     seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
@@ -83,7 +66,7 @@ def make_requests(
 
 
 def check_max_new_tokens(value: object) -> int:
-    """Return ``value`` as an int. Raises ValueError unless it is an integer >= 0."""
+    """Return ``value`` as an int; ValueError unless it is an integer >= 0."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {value!r}")
     return int(value)
@@ -91,21 +74,12 @@ def check_max_new_tokens(value: object) -> int:
 
 @dataclass(eq=False)  # a request is itself: the engine finds it by identity, never by equal fields
 class Request:
-    """One prompt and everything about how to continue it; the engine fills in the results.
+    """One prompt (token ids) and how to continue it; the engine fills in the results (from ``token_ids``).
 
-    Attributes:
-        prompt: token ids, non-empty, shorter than the model's window.
-        sampling: how tokens are chosen (temperature, top-k/p, min-p, penalties).
-        max_new_tokens: the most tokens to generate; the end of the model's window also ends a request.
-        seed: the seed of this request's draws (None: a random one each run); its token at position ``p`` is
-            drawn with :func:`generate.engine.sampling.uniform` of the seed and ``p``, so it does not depend
-            on what else runs.
-        eos_id: the token that ends the request (None: never ends early).
-        stop: strings that end the request when its text contains one (needs the engine's tokenizer).
-        logprobs: record each chosen token's log-probability under the model's own distribution.
-        top_logprobs: also record that many most likely alternatives at each step (id -> log-probability).
-        token_ids, logprobs_list, top_list, finish_reason, text, error: the results so far.
-    """
+    ``max_new_tokens`` and the end of the model's window end it, and so do ``eos_id`` (None: never early) and
+    ``stop`` strings in its text (these need the engine's tokenizer). ``seed`` (None: a random one each run)
+    fixes its draws whatever else runs. ``logprobs`` records each chosen token's log-probability under the
+    model's own distribution; ``top_logprobs``, that many most likely alternatives' (id -> logprob)."""
 
     prompt: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -130,7 +104,7 @@ class Request:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-            if not s.isascii() and not _utf8(s):
+            if any("\ud800" <= c <= "\udfff" for c in s):
                 raise ValueError(f"stop string {s!r} holds a lone surrogate, which no text can contain")
         top = self.top_logprobs
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 0 <= top <= 20:
@@ -143,8 +117,8 @@ class Request:
 
     def start(self, token_bytes: Callable[[int], bytes] | None) -> int:
         """Reset the results (a request can be run again) and return the seed of its draws."""
-        self.token_ids, self.logprobs_list, self.top_list, self.finish_reason = [], [], [], None
-        self.error = None
+        self.token_ids, self.logprobs_list, self.top_list = [], [], []
+        self.finish_reason = self.error = None
         if token_bytes is not None:
             self.text = TextTracker(token_bytes, self.stop)
         elif self.stop:
@@ -152,8 +126,8 @@ class Request:
         return secrets.randbits(64) if self.seed is None else self.seed
 
     def record(self, token: int, window: int) -> None:
-        """Append a chosen token and decide whether the request is finished (EOS, stop string, budget,
-        or the window: prompt + output never exceed ``window`` positions)."""
+        """Append a chosen token and decide whether the request is finished (EOS, stop string, budget, or
+        prompt + output filling the ``window``)."""
         self.token_ids.append(token)
         if token == self.eos_id or (self.text is not None and self.text.add(token)):
             self.finish("stop")

@@ -1,21 +1,15 @@
 """Speculative decoding: proposals checked in one step, exact by construction.
 
-A speculating engine's step feeds every slot ``1 + lookahead`` tokens at consecutive positions: its last
-token, then the tokens a proposer guesses will follow (the rest padding). The step's logits at each position
-are the model's, and the engine chooses a token from them exactly as in a plain step (a sampled token is a
-fixed function of the logits, the seed and the position: :func:`generate.engine.sampling.uniform`); it goes
-on to the next position only while the chosen token equals the proposal there. So the tokens are those the
-engine gives with no proposals at all, whatever was proposed; proposals only decide how many come per step.
-
-Every step has the same shape, and its attention sums over the cache in fixed chunks as a decode step's does
-(the same bits over any span), so a row's bits depend on that row alone, as in a plain engine. The shape
-differs from a plain step's ``(slots, 1)``, so the logits may differ from a plain
-engine's in the last bits (within the prefix tests' tolerance), and a near-tie can pick another token.
+A step feeds every slot its last token, then the tokens a proposer guesses will follow (padded to ``1 +
+lookahead``). The engine chooses from each position's logits as in a plain step, going on while the chosen
+token equals the proposal: the tokens are those it gives with no proposals, whatever is proposed. A row's bits
+depend on that row alone (every step has one shape), but as the shape is not a plain step's, logits may differ
+from a plain engine's in the last bits (within the prefix tests' tolerance): a near-tie can go another way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -31,16 +25,11 @@ class Proposer(Protocol):
 
     def propose(self, slot: int, request: Request, k: int) -> list[int]:
         """At most ``k`` tokens that may follow ``request.prompt + request.token_ids`` (in ``slot``)."""
-        ...
 
 
 class NgramProposer:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the last ``n`` tokens (of the
-    prompt and output), trying ``n``, then shorter tails down to one token.
-
-    Args:
-        n: the longest tail matched.
-    """
+    prompt and output), trying ``n``, then shorter tails down to one token."""
 
     def __init__(self, n: int = 3) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -60,18 +49,12 @@ class NgramProposer:
 
 
 class DraftProposer:
-    """A draft model sharing the tokenizer guesses greedily, over a KV cache of its own (a slot per engine
-    slot). It keeps the keys and values of what it was fed while they still match the request's tokens, so
-    each step feeds only what is new: the tokens chosen since, then its own guesses.
-
-    Args:
-        model: the draft (eval mode), on the target's device.
-        slots: the engine's slot count.
-    """
+    """A draft ``model`` (eval mode, on the target's device, sharing the tokenizer) guesses greedily over a
+    KV cache of its own, a slot per engine slot. It keeps what it was fed while that still matches the
+    request's tokens, so each step feeds only what is new: the tokens chosen since, then its own guesses."""
 
     def __init__(self, model: GPT, slots: int) -> None:
-        self.model = model.eval()
-        window = model.config.n_positions
+        self.model, window = model.eval(), model.config.n_positions
         self.cache = KVCache(model.config, slots, window, dtype=model.compute_dtype, device=model.device)
         self.fed: list[list[int]] = [[] for _ in range(slots)]  # the tokens each slot's cache holds
         self.owner: list[Request | None] = [None] * slots
@@ -89,12 +72,11 @@ class DraftProposer:
         fed = self.fed[slot]
         same = next((i for i, (a, b) in enumerate(zip(fed, history, strict=False)) if a != b), len(fed))
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
-        new, proposals = history[len(fed) :], []
+        new, proposals, device = history[len(fed) :], [], self.model.device
         for _ in range(k):
-            device = self.model.device
-            positions = torch.arange(len(fed), len(fed) + len(new), device=device)[None]
-            logits = self.model(torch.tensor([new], device=device), positions=positions, cache=self.cache,
-                                slot=slot, span=len(fed) + len(new), last_only=True)  # fmt: skip
+            span, ids = len(fed) + len(new), torch.tensor([new], device=device)
+            pos = torch.arange(len(fed), span, device=device)[None]
+            logits = self.model(ids, positions=pos, cache=self.cache, slot=slot, span=span, last_only=True)
             fed += new
             new = [int(logits[0, -1].argmax())]
             proposals.append(new[0])
@@ -103,8 +85,7 @@ class DraftProposer:
 
 @dataclass
 class Counts:
-    """Speculation's counts: proposals made and accepted, verifying passes (a slot's step) and the tokens
-    they gave."""
+    """Speculation's counts: proposals made and accepted, verifying passes (a slot's step), tokens."""
 
     proposed: int = 0
     accepted: int = 0
@@ -113,14 +94,9 @@ class Counts:
 
     def stats(self) -> dict[str, float]:
         """The counts, the acceptance rate and the tokens per pass."""
-        return {
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "passes": self.passes,
-            "tokens": self.tokens,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "tokens_per_pass": self.tokens / self.passes if self.passes else 0.0,
-        }
+        acceptance = self.accepted / self.proposed if self.proposed else 0.0
+        per_pass = self.tokens / self.passes if self.passes else 0.0
+        return {**asdict(self), "acceptance_rate": acceptance, "tokens_per_pass": per_pass}
 
 
 def make_speculator(
@@ -128,26 +104,15 @@ def make_speculator(
 ) -> Speculator:
     """A :class:`Speculator` for an engine of ``slots``: ``draft`` is ``"ngram"`` (prompt lookup) or a
     draft model; ``counts`` are added to (default: its own)."""
-    if isinstance(draft, str):
-        if draft != "ngram":
-            raise ValueError(
-                f"draft={draft!r}: give 'ngram' or a draft model (a checkpoint sharing the tokenizer)"
-            )
-        return Speculator(NgramProposer(), lookahead, counts)
-    return Speculator(DraftProposer(draft, slots), lookahead, counts)
+    if isinstance(draft, str) and draft != "ngram":
+        raise ValueError(f"draft={draft!r}: give 'ngram' or a draft model (one sharing the tokenizer)")
+    proposer = NgramProposer() if isinstance(draft, str) else DraftProposer(draft, slots)
+    return Speculator(proposer, lookahead, counts)
 
 
 class Speculator:
-    """What a speculating engine keeps: the proposer, each slot's lookahead, and counts for metrics.
-
-    Each slot proposes at most ``lookahead`` tokens; after a step it proposes one more than it had accepted
-    (up to ``lookahead``), so a request whose proposals fail proposes one token a step.
-
-    Args:
-        proposer: where proposals come from.
-        lookahead: the most tokens proposed per slot and step (the step's width is one more).
-        counts: where its counts are added (default: its own).
-    """
+    """What a speculating engine keeps: the ``proposer``, each slot's lookahead and ``counts`` (default: its
+    own). A slot proposes at most ``lookahead`` tokens a step, and one more than it had accepted last step."""
 
     def __init__(
         self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
@@ -161,13 +126,10 @@ class Speculator:
     def inputs(
         self, pending: torch.Tensor, lengths: list[int], running: dict[int, Request], window: int, vocab: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, list[int]]]:
-        """A step's (slots, 1 + lookahead) tokens and positions, and each running slot's proposals.
-
-        Row ``s`` feeds its pending token at ``lengths[s]`` and its proposals after it. A proposal stays below
-        position ``window - 1`` (the last position is only ever chosen, never fed) and within the request's
-        budget; padding goes at the next positions, the ones past ``window - 2`` all at ``window - 1``, which
-        no query reads. Proposals end before an id outside ``0..vocab-1``, which no step can choose.
-        """
+        """A step's (slots, 1 + lookahead) tokens and positions, and each running slot's proposals: row ``s``
+        feeds its pending token at ``lengths[s]``, then proposals within the request's budget, below position
+        ``window - 1`` (only ever chosen, never fed) and before any id outside ``0..vocab-1``; padding past
+        ``window - 2`` sits at ``window - 1``, which no query reads."""
         width = 1 + self.lookahead
         tokens = torch.zeros(len(lengths), width, dtype=torch.long)
         tokens[:, 0] = pending

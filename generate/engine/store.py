@@ -1,5 +1,4 @@
-"""The compiled steps' store on disk: where libraries are kept, loading one, one compile at a time, and
-keeping the folder within its size limit (least recently used first)."""
+"""The compiled steps' store on disk: where they are kept, loading, one compile at a time, a size limit."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def cache_dir() -> Path:
 
 
 def cache_limit_bytes() -> int:
-    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8); ValueError for a
-    setting that is not a number of GiB, 0 or more."""
+    """The most bytes of compiled steps kept: ``$GPTGEN_CACHE_MAX_GB`` GiB (default 8), a number >= 0."""
     text = os.environ.get("GPTGEN_CACHE_MAX_GB", "").strip()
     try:
         gib = float(text) if text else DEFAULT_CACHE_MAX_GB
@@ -57,9 +55,7 @@ def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
             libraries.append((path.stat().st_mtime, path.stat().st_size, path))
     total, deleted = sum(size for _, size, _ in libraries), []
     for _, size, path in sorted(libraries):
-        if total <= limit:
-            break
-        if path != keep:
+        if total > limit and path != keep:
             with contextlib.suppress(OSError):
                 path.unlink()
                 total -= size
@@ -69,8 +65,8 @@ def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
 
 
 def load(path: Path) -> Callable[..., torch.Tensor] | None:
-    """The library at ``path`` loaded (what ``aoti_load_package`` runs once it has unpacked a package), or
-    None where there is none or it does not load (a damaged file is compiled again and replaced)."""
+    """The library at ``path`` loaded (as ``aoti_load_package`` does once unpacked), or None where there is
+    none or it does not load (a damaged file is compiled again and replaced)."""
     if not path.exists():
         return None
     try:
@@ -85,9 +81,8 @@ def load(path: Path) -> Callable[..., torch.Tensor] | None:
 
 @contextlib.contextmanager
 def compile_lock(path: Path) -> Iterator[None]:
-    """Hold ``<key>.lock`` (an exclusive ``flock``) while this step compiles, so two processes wanting the
-    same step compile it once (the second then loads the first's). Without ``fcntl`` or a writable folder,
-    no lock."""
+    """Hold ``<key>.lock`` (an exclusive ``flock``; none without ``fcntl`` or a writable folder) while this
+    step compiles, so two processes wanting the same step compile it once (the second loads the first's)."""
     try:
         import fcntl
 
