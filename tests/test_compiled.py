@@ -6,7 +6,10 @@ the compiled code depends on.
 window, alone and beside others, in fp32 and bf16.)
 """
 
+import ctypes
 import logging
+import os
+import re
 import threading
 
 import pytest
@@ -55,6 +58,24 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
         engine = Engine(model, slots=2, max_len=40, compile=True)
         seen = run_and_record(engine, requests)
         assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+        # The library's own pages of the weights, copied by its runner at load, are no longer resident.
+        assert constants_resident_kib(path) <= 8
+
+
+def constants_resident_kib(path) -> int:
+    """KiB resident of the mapping holding a loaded library's weights (its ``.lrodata``), after checking
+    that the weights take more than a few pages (so a resident copy would show)."""
+    library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
+                  for edge in ("start", "end"))  # fmt: skip
+    assert end - start > 64 * 1024
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        span = re.fullmatch(r"([0-9a-f]+)-([0-9a-f]+)", line.split()[0])
+        if span and int(span[1], 16) <= start < int(span[2], 16):
+            return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise AssertionError("the library's weights are not mapped")
 
 
 def test_the_key_changes_with_weights_dtype_width_and_threads(monkeypatch):

@@ -44,7 +44,7 @@ class Engine:
 
     Args:
         model: the model (eval mode).
-        slots: how many requests run at once (rows of every decode step).
+        slots: how many requests run at once (rows of every step).
         max_len: cache positions per slot (default, and when compiled, the model's window); a request
             reaching it finishes with ``"length"``. It changes no bits.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
@@ -55,9 +55,8 @@ class Engine:
     Whatever goes wrong with one request (non-finite logits, its sampling or text failing) ends it alone
     with ``finish_reason`` ``"error"`` (``error`` says why); the other rows go on as if it had not been there.
 
-    Raises:
-        ValueError: for a slot count or ``max_len`` out of range.
-        MemoryError: if the cache and working memory exceed what the device has free (checked first).
+    Raises ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working
+    memory exceed what the device has free (checked first).
     """
 
     def __init__(
@@ -130,22 +129,11 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, int]]:
-        """Admit waiting requests into free slots, then advance every running request by one token.
-
-        Returns:
-            (request, token) for every token chosen in this step, in slot order (a newly admitted request
-            may get two: the one its prefill chose and the one the decode step chose).
-
-        Raises:
-            MemoryError: if the allocator ran out of memory (said plainly, not in the allocator's words).
-        """
-        try:  # (no context manager: this runs once a token)
+        """Admit waiting requests into free slots, then advance every running request by a token (more
+        where proposals are accepted); return (request, token) for each token chosen, in slot order.
+        MemoryError if the allocator ran out of memory (said plainly)."""
+        with said_plainly(OUT_OF_MEMORY_ADVICE):
             return self._step()
-        except RuntimeError as e:
-            oom = out_of_memory(e, OUT_OF_MEMORY_ADVICE)
-            if oom is None:
-                raise
-            raise oom from e
 
     def _step(self) -> list[tuple[Request, int]]:
         events: list[tuple[Request, int]] = []
@@ -184,8 +172,8 @@ class Engine:
         return events
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        """A speculating step: every slot's pending token and proposals, (slots, 1 + lookahead); each
-        decoding slot takes tokens while they equal its proposals (see :mod:`generate.engine.speculate`)."""
+        """A speculating step: each slot feeds its pending token and proposals, and takes tokens while they
+        equal its proposals (:mod:`generate.engine.speculate`)."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,7 +78,24 @@ def load(path: Path) -> Callable[..., torch.Tensor] | None:
         return None
     with contextlib.suppress(OSError):
         os.utime(path)  # last used: what prune() goes by
+    release_constants_pages(path)
     return lambda *inputs: runner.run(list(inputs))[0]
+
+
+def release_constants_pages(path: Path) -> int:
+    """Drop the loaded library's own pages of its weights, which its runner has copied (AOTInductor copies
+    them at load); mapped, they would count in this process's memory for nothing. They are read-only file
+    pages, read from the file again if ever touched. Returns the bytes released (0 where none)."""
+    try:
+        library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
+                      for edge in ("start", "end"))  # fmt: skip
+        low, high = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        libc = ctypes.CDLL(None)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return high - low if high > low and libc.madvise(low, high - low, mmap.MADV_DONTNEED) == 0 else 0
+    except (OSError, ValueError, AttributeError):  # another platform or layout: nothing to release
+        return 0
 
 
 @contextlib.contextmanager
