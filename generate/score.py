@@ -155,7 +155,7 @@ def _score_ids(
         targets = torch.cat([tokens[w.first : w.end] for w in batch]).to(model.device)
         for start in range(0, len(rows), HEAD_ROWS):
             logits = model.wte.project(rows[start : start + HEAD_ROWS]).float()  # (rows, V)
-            if not torch.isfinite(logits).all():
+            if not math.isfinite(logits.sum()) and not torch.isfinite(logits).all():  # (finite sum: all are)
                 raise GenerationError(
                     f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring tokens "
                     f"{done + start + 1}..{done + start + len(logits)}; the checkpoint may be corrupt, or "
