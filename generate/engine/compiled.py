@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
-from generate.engine import store
+from generate.engine import memory, store
 from model import GPT, KVCache
 from model.attention import CHUNK
 
@@ -56,11 +56,9 @@ COMPILE_BYTES_PER_WEIGHT_BYTE = 15
 
 def check_compile_memory(model: GPT) -> None:
     """Refuse to compile (MemoryError naming the figures and what to do) where it would run out of memory."""
-    from generate.engine.memory import available_memory
-
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     needed = COMPILE_FIXED_BYTES + COMPILE_BYTES_PER_WEIGHT_BYTE * weights
-    free = available_memory(model.device)
+    free = memory.available_memory(model.device)
     if free is not None and needed > free:
         raise MemoryError(
             f"compiling the decode step needs about {needed / 2**30:.1f} GiB (about "
@@ -138,10 +136,6 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
     say(f"decode step compiled in {time.perf_counter() - start:.1f} s")
 
 
-def _chunks(count: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(count, 0, device=device)  # the step's chunk count: a size, no elements
-
-
 def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: int) -> None:
     """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +153,8 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         most = cache.k[0].shape[2] // CHUNK  # (the cache holds whole chunks)
         tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
-        inputs = (tokens, torch.zeros_like(tokens), _chunks(min(2, most), model.device), *cache.k, *cache.v)
+        count = torch.empty(min(2, most), 0, device=model.device)  # the chunk count: a size, no elements
+        inputs = (tokens, torch.zeros_like(tokens), count, *cache.k, *cache.v)
         chunks = {0: torch.export.Dim("chunks", min=1, max=most)} if most > 1 else None
         dynamic = (None, None, chunks, (None,) * (2 * len(cache.k)))
         exported = torch.export.export(_Step(model), inputs, dynamic_shapes=dynamic)
@@ -202,7 +197,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
     run_step = step
-    sizes = {n: _chunks(n, model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
+    sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
 
     def run(tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         return run_step(tokens, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
