@@ -6,9 +6,7 @@ the compiled code depends on.
 window, alone and beside others, in fp32 and bf16.)
 """
 
-import ctypes
 import logging
-import os
 import re
 import threading
 
@@ -65,9 +63,7 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
 def constants_resident_kib(path) -> int:
     """KiB resident of the mapping holding a loaded library's weights (its ``.lrodata``), after checking
     that the weights take more than a few pages (so a resident copy would show)."""
-    library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
-                  for edge in ("start", "end"))  # fmt: skip
+    start, end = store.constants_span(path)
     assert end - start > 64 * 1024
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()

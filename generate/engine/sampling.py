@@ -28,8 +28,12 @@ def _mix64(x: int) -> int:
 def uniform(seed: int, position: int) -> float:
     """The uniform number in [0, 1) a request with ``seed`` samples its token at ``position`` with: 53 bits
     of a counter-based hash of the two (splitmix64 over the seed, then over the position added to it)."""
-    key = _mix64((seed + GOLDEN) & MASK64)
-    return (_mix64((key + (position + 1) * GOLDEN) & MASK64) >> 11) * 2.0**-53
+    return _unit(_mix64((seed + GOLDEN) & MASK64) + (position + 1) * GOLDEN)
+
+
+def _unit(x: int) -> float:
+    """A number in [0, 1): the top 53 bits of splitmix64 of ``x`` (taken modulo 2**64)."""
+    return (_mix64(x & MASK64) >> 11) * 2.0**-53
 
 
 _VALID = {  # each field: whether a finite value is in range, and what it must be
@@ -167,7 +171,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
             return token
         before[:token] |= ties
         support = torch.where(before, support, 0.0)
-        u = (_mix64((int(u * 2.0**53) + attempt * GOLDEN) & MASK64) >> 11) * 2.0**-53
+        u = _unit(int(u * 2.0**53) + attempt * GOLDEN)  # the next draw's number, hashed from this one
     raise AssertionError("unreachable: the most likely token is always kept")
 
 

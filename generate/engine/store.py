@@ -82,14 +82,21 @@ def load(path: Path) -> Callable[..., torch.Tensor] | None:
     return lambda *inputs: runner.run(list(inputs))[0]
 
 
+def constants_span(path: Path) -> tuple[int, int]:
+    """The addresses where the loaded library at ``path`` holds its weights (``.lrodata``): [start, end).
+    OSError or ValueError where it is not loaded or has no such symbols."""
+    library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
+                  for edge in ("start", "end"))  # fmt: skip
+    return start, end
+
+
 def release_constants_pages(path: Path) -> int:
     """Drop the loaded library's own pages of its weights, which its runner has copied (AOTInductor copies
     them at load); mapped, they would count in this process's memory for nothing. They are read-only file
     pages, read from the file again if ever touched. Returns the bytes released (0 where none)."""
     try:
-        library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
-                      for edge in ("start", "end"))  # fmt: skip
+        start, end = constants_span(path)
         low, high = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
         libc = ctypes.CDLL(None)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
