@@ -1,12 +1,6 @@
-"""The compiled decode step: one library per checkpoint, dtype and engine width, kept on disk.
-
-On the CPU the step is exported over a KV cache of the whole window, with the number of cache chunks it reads
-as its one dynamic size, so one compile serves every prompt length and ``max_new_tokens``. AOTInductor
-compiles it with ``freezing`` (the weights become constants, prepacked for the GEMM kernels) and
-``max_autotune``, which picks the kernels once, at compile time. The shared library (kernels and weights) is
-kept under :func:`generate.engine.store.cache_dir` and named by a digest of all it depends on (weights,
-config, dtype, width, the source of ``model/`` and of this module, torch, the CPU), so a later process loads
-it directly. On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph), in each process.
+"""The compiled decode step (docs/engine.md). On the CPU an AOTInductor library, exported over a KV cache of
+the whole window with the number of chunks it reads as its one dynamic size, kept on disk under a digest of
+all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s ``reduce-overhead``, in each process.
 """
 
 from __future__ import annotations

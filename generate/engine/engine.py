@@ -1,10 +1,7 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
-Each step admits waiting requests into free slots, prefills at most :data:`PREFILL_CHUNK` prompt positions
-(each prompt alone, cut at fixed multiples of it), then runs one decode step over every slot, busy or not,
-each row at its own position. The step's shapes are fixed and attention reads the cache in whole chunks
-(:mod:`generate.engine.runner`), so a request's tokens, logprobs and logits do not depend on who shares the
-engine, when they join or leave, or how long they are.
+Prompts are prefilled alone, cut at fixed positions, and every step computes every slot with fixed shapes, so
+a request's bits do not depend on who shares the engine, when or for how long (docs/engine.md says why).
 """
 
 from __future__ import annotations
@@ -40,11 +37,10 @@ OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter 
 
 
 class Engine:
-    """Runs requests in a fixed set of slots; requests join and leave between steps.
+    """Runs requests in a fixed set of ``slots`` (the rows of every step) with ``model`` (in eval mode);
+    requests join and leave between steps.
 
     Args:
-        model: the model (eval mode).
-        slots: how many requests run at once (rows of every step).
         max_len: cache positions per slot (default, and when compiled, the model's window); a request
             reaching it finishes with ``"length"``. It changes no bits.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
@@ -54,9 +50,8 @@ class Engine:
 
     Whatever goes wrong with one request (non-finite logits, its sampling or text failing) ends it alone
     with ``finish_reason`` ``"error"`` (``error`` says why); the other rows go on as if it had not been there.
-
-    Raises ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working
-    memory exceed what the device has free (checked first).
+    ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working memory
+    exceed what the device has free (checked first).
     """
 
     def __init__(

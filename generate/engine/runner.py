@@ -1,11 +1,8 @@
 """The runner: turns the engine's slots into model calls, eager or compiled.
 
-A prompt is prefilled alone, eagerly, in the chunks the engine cuts, so its bits are its own. A decode step
-runs every slot at once (idle ones at position 0), one token each at its own position. On the CPU it reads
-the cache up to the furthest row's position, in whole chunks of :data:`model.attention.CHUNK`: a row's
-attention gives the same bits over any number of chunks (:meth:`model.CausalAttention.decode`) and every
-product has the same shapes in every step, so a row's bits depend on that row alone. Elsewhere (CUDA) every
-step reads the whole cache.
+A prompt is prefilled alone, eagerly, in the chunks the engine cuts. A decode step runs every slot at once
+(idle ones at position 0), each at its own position, reading the cache in whole chunks: a row's bits depend
+on that row alone (:meth:`model.CausalAttention.decode`, docs/engine.md).
 """
 
 from __future__ import annotations

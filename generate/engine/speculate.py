@@ -1,10 +1,9 @@
-"""Speculative decoding: proposals checked in one step, exact by construction.
+"""Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md).
 
-A step feeds every slot its last token, then the tokens a proposer guesses will follow (padded to ``1 +
-lookahead``). The engine chooses from each position's logits as in a plain step, going on while the chosen
-token equals the proposal: the tokens are those it gives with no proposals, whatever is proposed. A row's bits
-depend on that row alone (every step has one shape), but as the shape is not a plain step's, logits may differ
-from a plain engine's in the last bits (within the prefix tests' tolerance): a near-tie can go another way.
+A step feeds every slot its last token, then its proposals (padded to ``1 + lookahead``); the engine chooses
+at each position as in a plain step while the chosen token equals the proposal, so whatever is proposed, the
+tokens are those of no proposals. The step's shape is not a plain step's: logits may differ from a plain
+engine's in the last bits (a near-tie can go another way).
 """
 
 from __future__ import annotations
