@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import tempfile
 import threading
 import time
@@ -24,6 +23,7 @@ import torch
 
 import model as model_package
 from generate.engine import memory, store
+from generate.engine.runner import forward_step
 from model import GPT, KVCache
 from model.attention import CHUNK
 
@@ -93,16 +93,7 @@ class _Step(torch.nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, chunks: torch.Tensor, *kv: torch.Tensor
     ) -> torch.Tensor:
         cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return _forward(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
-
-
-def _forward(
-    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
-) -> torch.Tensor:
-    """The step's forward: the last position's logits for one token per row, every position's for more."""
-    if tokens.shape[1] == 1:
-        return model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
-    return model(tokens, positions=positions, cache=cache, span=span, step=True)
+        return forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
 
 
 @contextlib.contextmanager
@@ -160,9 +151,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
             libraries = [name for name in archive.namelist() if name.endswith(".so")]
             if len(libraries) != 1:
                 raise RuntimeError(f"expected one shared library in the compiled package, found {libraries}")
-            library = Path(work) / "step.so"
-            with archive.open(libraries[0]) as source, open(library, "wb") as target:
-                shutil.copyfileobj(source, target, 16 * 2**20)
+            library = archive.extract(libraries[0], work)
         os.replace(library, path)
 
 
@@ -184,19 +173,14 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
             advice = "set GPTGEN_CACHE_DIR to a writable directory to keep it"
             log.warning("could not keep the compiled step in %s (%s); compiling it for this process only "
                         "(%s)", path.parent, e, advice)  # fmt: skip
-            directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
-            _package(model, cache, directory / path.name, progress, width)
-            step = store.load(directory / path.name)
-            shutil.rmtree(directory, ignore_errors=True)  # (the loaded library stays mapped)
+            # (the loaded library stays mapped once its directory is gone)
+            with tempfile.TemporaryDirectory(prefix="gptgen-step-", ignore_cleanup_errors=True) as directory:
+                _package(model, cache, Path(directory) / path.name, progress, width)
+                step = store.load(Path(directory) / path.name)
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
-    run_step = step
     sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
-
-    def run(tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        return run_step(tokens, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
-
-    return run
+    return lambda ids, positions, span: step(ids, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
 
 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
@@ -207,7 +191,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
     def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         # The buffers are inputs, not captured: a graph dynamo keeps serves another engine's cache too.
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return _forward(model, buffers, tokens, positions, buffers.max_len)
+        return forward_step(model, buffers, tokens, positions, buffers.max_len)
 
     cuda = model.device.type == "cuda"
     # Fixed addresses for CUDA graphs' replays (not on the CPU: freezing would fold such a buffer in).
