@@ -85,8 +85,8 @@ class Engine:
             self.runner = Runner(model, self.cache, compile=compile, progress=progress, width=width)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        self._state: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # seed, penalties
-        self._seeds: dict[int, int] = {}  # id(request) -> its seed, until it runs
+        # request -> its seed and, once it runs, its penalties' state (a request is hashed by identity)
+        self._state: dict[Request, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
@@ -104,11 +104,11 @@ class Engine:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
         # Results reset and the seed fixed once, here (refuses stop strings without a tokenizer).
-        self._seeds[id(request)] = request.start(self.token_bytes)
+        seed = request.start(self.token_bytes)
         if request.max_new_tokens == 0:
-            del self._seeds[id(request)]
             request.finish("length")
         else:
+            self._state[request] = (seed, None, None)
             self.waiting.append(request)
         return request
 
@@ -116,7 +116,7 @@ class Engine:
         """Stop a request wherever it is (waiting or running) and free its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
-            self._seeds.pop(id(request), None)
+            self._state.pop(request, None)
         for slot, r in list(self.running.items()):
             if r is request:
                 self._free(slot)
@@ -131,14 +131,11 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[tuple[Request, int]]:
-        events: list[tuple[Request, int]] = []
         free = [s for s in range(self.slots) if s not in self.running]
-        joining: dict[int, Request] = {}
-        while free and self.waiting:
-            slot, request = free.pop(0), self.waiting.popleft()
+        for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
-            self.running[slot], self._prefilling[slot] = request, 0
-        budget, logits = PREFILL_CHUNK, []
+            self.running[slot], self._prefilling[slot] = self.waiting.popleft(), 0
+        budget, joined = PREFILL_CHUNK, {}  # slot -> the last logits of a prompt prefilled whole
         for slot, start in list(self._prefilling.items()):
             prompt = self.running[slot].prompt
             end = min(len(prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
@@ -149,18 +146,16 @@ class Engine:
             self._prefilling[slot] = self.cache.lengths[slot] = end
             if end == len(prompt):
                 del self._prefilling[slot]
-                self._start_state(slot, self.running[slot])
-                joining[slot] = self.running[slot]
-                logits.append(last)
-        if joining:
-            events += self._choose(torch.stack(logits), {slot: i for i, slot in enumerate(joining)})
+                self._start_state(self.running[slot])
+                joined[slot] = last
+        rows = {slot: i for i, slot in enumerate(joined)}  # (their rows of the stacked logits)
+        events = self._choose(torch.stack(list(joined.values())), rows) if joined else []
         # Every slot is computed (fixed shapes); a prefilling one at the position its next chunk rewrites.
         decoding = [slot for slot in self.running if slot not in self._prefilling]
         if decoding and self.speculator is not None:
             events += self._verify(decoding)
         elif decoding:
-            positions = torch.tensor(self.cache.lengths)
-            logits = self.runner.decode(self._pending, positions)
+            logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
             for slot in decoding:
                 self.cache.lengths[slot] += 1
             events += self._choose(logits, {slot: slot for slot in decoding})
@@ -187,16 +182,14 @@ class Engine:
         while self.has_work:
             yield self.step()
 
-    def _start_state(self, slot: int, request: Request) -> None:
-        seed = self._seeds.pop(id(request))
-        seen = counts = None
+    def _start_state(self, request: Request) -> None:
         if request.sampling.penalized:
             device = self.model.device  # (where the logits are)
             seen = torch.zeros(self.vocab, dtype=torch.bool, device=device)
             prompt = torch.tensor(request.prompt, device=device)
             seen[prompt[prompt < self.vocab]] = True
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=device)
-        self._state[slot] = (seed, seen, counts)
+            self._state[request] = (self._state[request][0], seen, counts)
 
     def _choose(
         self, logits: torch.Tensor, rows: dict[int, int], proposals: dict[int, list[int]] | None = None
@@ -236,7 +229,7 @@ class Engine:
             self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
                        "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
             return None
-        seed, seen, counts = self._state[slot]
+        seed, seen, counts = self._state[request]
         u = 0.0 if request.sampling.greedy else uniform(seed, len(request.prompt) + len(request.token_ids))
         try:
             token, logprob, top = sample_row(row, request.sampling, u, seen, counts, token=chosen,
@@ -254,17 +247,16 @@ class Engine:
         return token
 
     def _fail(self, slot: int, message: str) -> None:
-        request = self.running[slot]
-        self._free(slot)
+        request = self._free(slot)
         request.error = message
         request.finish("error")
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int) -> Request:
         request = self.running.pop(slot)
-        self._state.pop(slot, None)  # (none yet where its prefill failed)
+        self._state.pop(request, None)
         self._prefilling.pop(slot, None)
-        self._seeds.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0
         if self.speculator is not None:
             self.speculator.ahead.pop(slot, None)
+        return request
