@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from model import GPTConfig, KVCache
-from model.attention import CHUNK
 
 CGROUP_DIR = Path("/sys/fs/cgroup")  # cgroup v2's files (v1 keeps its memory files under memory/)
 
@@ -99,11 +98,9 @@ def check_engine_memory(
 ) -> None:
     """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit: beyond
     the weights it needs the KV cache, per-row vocabulary-sized state and one prefill's activations."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
-    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
+    cache = KVCache(config, slots, cache_len, dtype=dtype, device="meta").nbytes  # (shapes only: no memory)
     # (a prefill's cached attention holds three fp32 (n_head, T, T) tensors at its peak)
-    prefill = cache_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * cache_len * 4)
+    prefill = cache_len * (4 * config.inner_dim * dtype.itemsize + 3 * config.n_head * cache_len * 4)
     needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
     free = available_memory(device)
     if free is not None and needed > free:
