@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
-from generate.engine import memory, store
-from generate.engine.runner import forward_step
+from generate.engine import memory, runner, store
 from model import GPT, KVCache
 from model.attention import CHUNK
 
@@ -66,8 +65,8 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
     """The name of a compiled step: a digest of the weights (and their layouts), config, dtype, shapes, the
     code it is traced from, torch and the CPU."""
     h = hashlib.blake2b(digest_size=16)
-    for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), Path(__file__)]:
-        h.update(path.read_bytes())
+    for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), runner.__file__, __file__]:
+        h.update(Path(path).read_bytes())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()};".encode())  # (a layout is compiled in)
         t = t.detach().cpu().contiguous()
@@ -93,7 +92,7 @@ class _Step(torch.nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, chunks: torch.Tensor, *kv: torch.Tensor
     ) -> torch.Tensor:
         cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
+        return runner.forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
 
 
 @contextlib.contextmanager
@@ -191,7 +190,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
     def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         # The buffers are inputs, not captured: a graph dynamo keeps serves another engine's cache too.
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return forward_step(model, buffers, tokens, positions, buffers.max_len)
+        return runner.forward_step(model, buffers, tokens, positions, buffers.max_len)
 
     cuda = model.device.type == "cuda"
     # Fixed addresses for CUDA graphs' replays (not on the CPU: freezing would fold such a buffer in).
