@@ -164,6 +164,4 @@ def quantize_int4(
 ) -> nn.Module:
     """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int4 in place."""
     check_group_size(group_size)
-    return quantize_model(
-        model, lambda parent, name: quantize_child_int4(parent, name, group_size, include_head=include_head)
-    )
+    return quantize_model(model, quantize_child_int4, group_size=group_size, include_head=include_head)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,17 +22,15 @@ def available_memory(device: torch.device) -> int | None:
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    rooms = [_proc_bytes("/proc/meminfo", "MemAvailable:")]
-    try:
+    rooms = [_proc_bytes("/proc/meminfo", "MemAvailable:"), _cgroup_room()]
+    with contextlib.suppress(ImportError, OSError, ValueError):
         import resource
 
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]
         if limit != resource.RLIM_INFINITY:
             size = _proc_bytes("/proc/self/status", "VmSize:")
             rooms.append(None if size is None else limit - size)
-    except (ImportError, OSError, ValueError):
-        pass
-    known = [r for r in [*rooms, _cgroup_room()] if r is not None]
+    known = [r for r in rooms if r is not None]
     return max(0, min(known)) if known else None
 
 
@@ -51,7 +49,7 @@ def out_of_memory(error: BaseException, advice: str) -> MemoryError | None:
     return MemoryError(f"out of memory{tried}; {advice}")
 
 
-@contextmanager
+@contextlib.contextmanager
 def said_plainly(advice: str) -> Iterator[None]:
     """Turn the allocator's failures in the block into :func:`out_of_memory`'s MemoryError."""
     try:
