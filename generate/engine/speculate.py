@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from generate.engine.request import Request
+from generate.engine.runner import Runner
 from model import GPT, KVCache
 
 DEFAULT_LOOKAHEAD = 4
@@ -55,6 +56,7 @@ class DraftProposer:
     def __init__(self, model: GPT, slots: int) -> None:
         self.model, window = model.eval(), model.config.n_positions
         self.cache = KVCache(model.config, slots, window, dtype=model.compute_dtype, device=model.device)
+        self.runner = Runner(self.model, self.cache)  # (eager: its prefill is a draft's step)
         self.fed: list[list[int]] = [[] for _ in range(slots)]  # the tokens each slot's cache holds
         self.owner: list[Request | None] = [None] * slots
 
@@ -71,13 +73,11 @@ class DraftProposer:
         fed = self.fed[slot]
         same = next((i for i, (a, b) in enumerate(zip(fed, history, strict=False)) if a != b), len(fed))
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
-        new, proposals, device = history[len(fed) :], [], self.model.device
+        new, proposals = history[len(fed) :], []
         for _ in range(k):
-            span, ids = len(fed) + len(new), torch.tensor([new], device=device)
-            pos = torch.arange(len(fed), span, device=device)[None]
-            logits = self.model(ids, positions=pos, cache=self.cache, slot=slot, span=span, last_only=True)
+            logits = self.runner.prefill(new, slot, len(fed))
             fed += new
-            new = [int(logits[0, -1].argmax())]
+            new = [int(logits.argmax())]
             proposals.append(new[0])
         return proposals
 
