@@ -66,16 +66,14 @@ class Engine:
         progress: Callable[[str], None] | None = None,
         speculate: Speculator | None = None,
     ) -> None:
-        cfg = model.config
-        max_len = cfg.n_positions if max_len is None else max_len
+        cfg, window = model.config, model.config.n_positions
+        max_len = window if max_len is None else max_len
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= cfg.n_positions:
-            raise ValueError(
-                f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
-            )
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= window:
+            raise ValueError(f"max_len must be an integer in 2..{window} (the window), got {max_len!r}")
         if compile:  # one compiled step serves every length: its cache holds the whole window
-            max_len = cfg.n_positions
+            max_len = window
         check_engine_memory(cfg, slots, max_len, model.compute_dtype, model.device)
         self.model, self.token_bytes, self.speculator = model, token_bytes, speculate
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
