@@ -115,9 +115,8 @@ class Engine:
         if request in self.waiting:
             self.waiting.remove(request)
             self._state.pop(request, None)
-        for slot, r in list(self.running.items()):
-            if r is request:
-                self._free(slot)
+        for slot in [s for s, r in self.running.items() if r is request]:
+            self._free(slot)
         request.finish("cancelled")
 
     @torch.inference_mode()

@@ -48,11 +48,10 @@ class Runner:
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Write ``tokens`` (a chunk of a prompt, from position ``start``) into ``slot``, attending to the
         positions before too; return the last position's logits, (V,)."""
-        device = self.model.device
+        device, end = self.model.device, start + len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device)[None]
-        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=start + len(tokens),
-                            last_only=True)  # fmt: skip
+        positions = torch.arange(start, end, device=device)[None]
+        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=end, last_only=True)
         return logits[0, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
