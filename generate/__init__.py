@@ -1,8 +1,7 @@
 """generate: the runtime (sampling, the decode loop), the Python API and the ``generate`` command.
 
-The public names are imported on first use (PEP 562), so ``import generate`` and the command's startup do
-not pay for torch until something needs it: Ctrl-C in that window then exits cleanly (see
-``generate.tools.cli``).
+Public names are imported on first use (PEP 562): ``import generate`` and the command's startup do not pay
+for torch until something needs it, so Ctrl-C in that window exits cleanly (see ``generate.tools.cli``).
 """
 
 from __future__ import annotations
@@ -29,23 +28,20 @@ __all__ = [
 ]
 
 _HOMES = {
-    "Completion": "generate.api",
-    "Generator": "generate.api",
-    "load": "generate.api",
-    "GenerationError": "generate.engine.engine",
-    "TokenCompletion": "generate.ids",
-    "generate_ids": "generate.ids",
-    "SamplingParams": "generate.engine.sampling",
-    "Score": "generate.score",
+    "generate.api": ("Completion", "Generator", "load"),
+    "generate.engine.engine": ("GenerationError",),
+    "generate.engine.sampling": ("SamplingParams",),
+    "generate.ids": ("TokenCompletion", "generate_ids"),
+    "generate.score": ("Score",),
 }
 
 
 def __getattr__(name: str) -> object:
     """Import an exported name from its module on first access, then keep it here."""
-    if name not in _HOMES:
+    home = next((module for module, names in _HOMES.items() if name in names), None)
+    if home is None:
         raise AttributeError(f"module 'generate' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # later lookups skip this function
+    globals()[name] = value = getattr(importlib.import_module(home), name)  # later lookups skip this function
     return value
 
 

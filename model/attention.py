@@ -11,8 +11,7 @@ from torch import nn
 # The kept causal mask covers at most this many positions (4 MiB of bools); a longer sequence builds its own.
 MASK_BUFFER_POSITIONS = 2048
 
-# A decode step sums over cache positions in chunks of this many (CausalAttention.decode); a cache holds whole
-# chunks.
+# A decode step sums cache positions in chunks of this many (CausalAttention.decode); caches hold whole ones.
 CHUNK = 64
 
 

@@ -51,9 +51,8 @@ class KVCache:
 
     def layer(self, index: int, slot: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's key and value buffers, or with ``slot`` that slot's alone (views: writes land here)."""
-        if slot is None:
-            return self.k[index], self.v[index]
-        return self.k[index][slot : slot + 1], self.v[index][slot : slot + 1]
+        k, v = self.k[index], self.v[index]
+        return (k, v) if slot is None else (k[slot : slot + 1], v[slot : slot + 1])
 
     def clear(self, slot: int) -> None:
         """Empty a slot for a new sequence: length 0 and every position zeroed, so nothing of the previous

@@ -10,6 +10,7 @@ The tied embedding also keeps its codes plainly, two to a byte, for a lookup tha
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.quant import COMPUTE_DTYPE, as_rows, quantize_child, quantize_model
@@ -86,27 +87,14 @@ def _pack_piece(piece: torch.Tensor) -> torch.Tensor:
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """The kernel layout for ``codes`` (N, K / 2), rows padded with code 0 to whole :data:`ROW_BLOCK`, packed
     in passes of whole row blocks (both layouts keep a block's bytes together, in row order along dim 0)."""
-    n, half = codes.shape
-    total, step = _padded(n), _rows_per_pass(2 * half)
-    out = None
-    for start in range(0, total, step):
-        piece = codes[start : start + step]
-        rows = min(step, total - start)
-        if piece.shape[0] < rows:  # the last pass: pad with code 0
-            piece = torch.cat([piece, piece.new_zeros(rows - piece.shape[0], half)])
-        packed = _pack_piece(piece)
-        per_row = packed.shape[0] / rows  # CUDA's first dimension counts 8-row tiles
-        if out is None:
-            out = packed.new_empty(round(total * per_row), *packed.shape[1:])
-        out[round(start * per_row) : round((start + rows) * per_row)] = packed
-    return out
+    codes = F.pad(codes, (0, 0, 0, _padded(len(codes)) - len(codes)))
+    step = _rows_per_pass(2 * codes.shape[1])
+    return torch.cat([_pack_piece(codes[start : start + step]) for start in range(0, len(codes), step)])
 
 
 def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
-    groups, n, _ = scales_zeros.shape
-    padded = scales_zeros.new_zeros(groups, _padded(n), 2)
-    padded[:, :n] = scales_zeros
-    return padded
+    n = scales_zeros.shape[1]
+    return F.pad(scales_zeros, (0, 0, 0, _padded(n) - n))
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor, n: int):
@@ -176,6 +164,4 @@ def quantize_int4(
 ) -> nn.Module:
     """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int4 in place."""
     check_group_size(group_size)
-    return quantize_model(
-        model, lambda parent, name: quantize_child_int4(parent, name, group_size, include_head=include_head)
-    )
+    return quantize_model(model, quantize_child_int4, group_size=group_size, include_head=include_head)

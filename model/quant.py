@@ -104,13 +104,13 @@ def quantize_child(
 
 def quantize_int8(model: nn.Module, *, include_head: bool = True) -> nn.Module:
     """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int8 in place."""
-    return quantize_model(model, lambda parent, name: quantize_child(parent, name, include_head=include_head))
+    return quantize_model(model, quantize_child, include_head=include_head)
 
 
-def quantize_model(model: nn.Module, quantize: Callable[[nn.Module, str], bool]) -> nn.Module:
-    """Apply ``quantize(parent, name)`` to every module's children, then cast the rest to bf16; eval mode."""
+def quantize_model(model: nn.Module, quantize: Callable[..., bool], **options: object) -> nn.Module:
+    """Apply ``quantize(parent, name, **options)`` to every module's children, then cast the rest to bf16."""
     for module in list(model.modules()):
         for name, _ in list(module.named_children()):
-            quantize(module, name)
+            quantize(module, name, **options)
     model.to(COMPUTE_DTYPE)  # floating-point tensors only: the int8 and int4 codes stay integers
     return model.eval()

@@ -1,12 +1,6 @@
-"""The compiled decode step: one library per checkpoint, dtype and engine width, kept on disk.
-
-On the CPU the step is exported over a KV cache of the whole window, with the number of cache chunks it reads
-as its one dynamic size, so one compile serves every prompt length and ``max_new_tokens``. AOTInductor
-compiles it with ``freezing`` (the weights become constants, prepacked for the GEMM kernels) and
-``max_autotune``, which picks the kernels once, at compile time. The shared library (kernels and weights) is
-kept under :func:`generate.engine.store.cache_dir` and named by a digest of all it depends on (weights,
-config, dtype, width, the source of ``model/`` and of this module, torch, the CPU), so a later process loads
-it directly. On CUDA the step is ``torch.compile``'s ``reduce-overhead`` (a CUDA graph), in each process.
+"""The compiled decode step (docs/engine.md). On the CPU an AOTInductor library, exported over a KV cache of
+the whole window with the number of chunks it reads as its one dynamic size, kept on disk under a digest of
+all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s ``reduce-overhead``, in each process.
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import tempfile
 import threading
 import time
@@ -29,7 +22,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
-from generate.engine import memory, store
+from generate.engine import memory, runner, store
 from model import GPT, KVCache
 from model.attention import CHUNK
 
@@ -72,8 +65,8 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
     """The name of a compiled step: a digest of the weights (and their layouts), config, dtype, shapes, the
     code it is traced from, torch and the CPU."""
     h = hashlib.blake2b(digest_size=16)
-    for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), Path(__file__)]:
-        h.update(path.read_bytes())
+    for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), runner.__file__, __file__]:
+        h.update(Path(path).read_bytes())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()};".encode())  # (a layout is compiled in)
         t = t.detach().cpu().contiguous()
@@ -99,16 +92,7 @@ class _Step(torch.nn.Module):
         self, tokens: torch.Tensor, positions: torch.Tensor, chunks: torch.Tensor, *kv: torch.Tensor
     ) -> torch.Tensor:
         cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return _forward(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
-
-
-def _forward(
-    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
-) -> torch.Tensor:
-    """The step's forward: the last position's logits for one token per row, every position's for more."""
-    if tokens.shape[1] == 1:
-        return model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
-    return model(tokens, positions=positions, cache=cache, span=span, step=True)
+        return runner.forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
 
 
 @contextlib.contextmanager
@@ -166,9 +150,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
             libraries = [name for name in archive.namelist() if name.endswith(".so")]
             if len(libraries) != 1:
                 raise RuntimeError(f"expected one shared library in the compiled package, found {libraries}")
-            library = Path(work) / "step.so"
-            with archive.open(libraries[0]) as source, open(library, "wb") as target:
-                shutil.copyfileobj(source, target, 16 * 2**20)
+            library = archive.extract(libraries[0], work)
         os.replace(library, path)
 
 
@@ -190,19 +172,14 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
             advice = "set GPTGEN_CACHE_DIR to a writable directory to keep it"
             log.warning("could not keep the compiled step in %s (%s); compiling it for this process only "
                         "(%s)", path.parent, e, advice)  # fmt: skip
-            directory = Path(tempfile.mkdtemp(prefix="gptgen-step-"))
-            _package(model, cache, directory / path.name, progress, width)
-            step = store.load(directory / path.name)
-            shutil.rmtree(directory, ignore_errors=True)  # (the loaded library stays mapped)
+            # (the loaded library stays mapped once its directory is gone)
+            with tempfile.TemporaryDirectory(prefix="gptgen-step-", ignore_cleanup_errors=True) as directory:
+                _package(model, cache, Path(directory) / path.name, progress, width)
+                step = store.load(Path(directory) / path.name)
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
-    run_step = step
     sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
-
-    def run(tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        return run_step(tokens, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
-
-    return run
+    return lambda ids, positions, span: step(ids, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
 
 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
@@ -213,7 +190,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
     def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         # The buffers are inputs, not captured: a graph dynamo keeps serves another engine's cache too.
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return _forward(model, buffers, tokens, positions, buffers.max_len)
+        return runner.forward_step(model, buffers, tokens, positions, buffers.max_len)
 
     cuda = model.device.type == "cuda"
     # Fixed addresses for CUDA graphs' replays (not on the CPU: freezing would fold such a buffer in).

@@ -1,10 +1,7 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
-Each step admits waiting requests into free slots, prefills at most :data:`PREFILL_CHUNK` prompt positions
-(each prompt alone, cut at fixed multiples of it), then runs one decode step over every slot, busy or not,
-each row at its own position. The step's shapes are fixed and attention reads the cache in whole chunks
-(:mod:`generate.engine.runner`), so a request's tokens, logprobs and logits do not depend on who shares the
-engine, when they join or leave, or how long they are.
+Prompts are prefilled alone, cut at fixed positions, and every step computes every slot with fixed shapes, so
+a request's bits do not depend on who shares the engine, when or for how long (docs/engine.md says why).
 """
 
 from __future__ import annotations
@@ -40,11 +37,10 @@ OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter 
 
 
 class Engine:
-    """Runs requests in a fixed set of slots; requests join and leave between steps.
+    """Runs requests in a fixed set of ``slots`` (the rows of every step) with ``model`` (in eval mode);
+    requests join and leave between steps.
 
     Args:
-        model: the model (eval mode).
-        slots: how many requests run at once (rows of every step).
         max_len: cache positions per slot (default, and when compiled, the model's window); a request
             reaching it finishes with ``"length"``. It changes no bits.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
@@ -54,9 +50,8 @@ class Engine:
 
     Whatever goes wrong with one request (non-finite logits, its sampling or text failing) ends it alone
     with ``finish_reason`` ``"error"`` (``error`` says why); the other rows go on as if it had not been there.
-
-    Raises ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working
-    memory exceed what the device has free (checked first).
+    ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working memory
+    exceed what the device has free (checked first).
     """
 
     def __init__(
@@ -71,16 +66,14 @@ class Engine:
         progress: Callable[[str], None] | None = None,
         speculate: Speculator | None = None,
     ) -> None:
-        cfg = model.config
-        max_len = cfg.n_positions if max_len is None else max_len
+        cfg, window = model.config, model.config.n_positions
+        max_len = window if max_len is None else max_len
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= cfg.n_positions:
-            raise ValueError(
-                f"max_len must be an integer in 2..{cfg.n_positions} (the window), got {max_len!r}"
-            )
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= window:
+            raise ValueError(f"max_len must be an integer in 2..{window} (the window), got {max_len!r}")
         if compile:  # one compiled step serves every length: its cache holds the whole window
-            max_len = cfg.n_positions
+            max_len = window
         check_engine_memory(cfg, slots, max_len, model.compute_dtype, model.device)
         self.model, self.token_bytes, self.speculator = model, token_bytes, speculate
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
@@ -90,8 +83,8 @@ class Engine:
             self.runner = Runner(model, self.cache, compile=compile, progress=progress, width=width)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        self._state: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # seed, penalties
-        self._seeds: dict[int, int] = {}  # id(request) -> its seed, until it runs
+        # request -> its seed and, once it runs, its penalties' state (a request is hashed by identity)
+        self._state: dict[Request, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
 
@@ -109,11 +102,11 @@ class Engine:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
         # Results reset and the seed fixed once, here (refuses stop strings without a tokenizer).
-        self._seeds[id(request)] = request.start(self.token_bytes)
+        seed = request.start(self.token_bytes)
         if request.max_new_tokens == 0:
-            del self._seeds[id(request)]
             request.finish("length")
         else:
+            self._state[request] = (seed, None, None)
             self.waiting.append(request)
         return request
 
@@ -121,10 +114,9 @@ class Engine:
         """Stop a request wherever it is (waiting or running) and free its slot."""
         if request in self.waiting:
             self.waiting.remove(request)
-            self._seeds.pop(id(request), None)
-        for slot, r in list(self.running.items()):
-            if r is request:
-                self._free(slot)
+            self._state.pop(request, None)
+        for slot in [s for s, r in self.running.items() if r is request]:
+            self._free(slot)
         request.finish("cancelled")
 
     @torch.inference_mode()
@@ -136,14 +128,11 @@ class Engine:
             return self._step()
 
     def _step(self) -> list[tuple[Request, int]]:
-        events: list[tuple[Request, int]] = []
         free = [s for s in range(self.slots) if s not in self.running]
-        joining: dict[int, Request] = {}
-        while free and self.waiting:
-            slot, request = free.pop(0), self.waiting.popleft()
+        for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
-            self.running[slot], self._prefilling[slot] = request, 0
-        budget, logits = PREFILL_CHUNK, []
+            self.running[slot], self._prefilling[slot] = self.waiting.popleft(), 0
+        budget, joined = PREFILL_CHUNK, {}  # slot -> the last logits of a prompt prefilled whole
         for slot, start in list(self._prefilling.items()):
             prompt = self.running[slot].prompt
             end = min(len(prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
@@ -154,18 +143,16 @@ class Engine:
             self._prefilling[slot] = self.cache.lengths[slot] = end
             if end == len(prompt):
                 del self._prefilling[slot]
-                self._start_state(slot, self.running[slot])
-                joining[slot] = self.running[slot]
-                logits.append(last)
-        if joining:
-            events += self._choose(torch.stack(logits), {slot: i for i, slot in enumerate(joining)})
+                self._start_state(self.running[slot])
+                joined[slot] = last
+        rows = {slot: i for i, slot in enumerate(joined)}  # (their rows of the stacked logits)
+        events = self._choose(torch.stack(list(joined.values())), rows) if joined else []
         # Every slot is computed (fixed shapes); a prefilling one at the position its next chunk rewrites.
         decoding = [slot for slot in self.running if slot not in self._prefilling]
         if decoding and self.speculator is not None:
             events += self._verify(decoding)
         elif decoding:
-            positions = torch.tensor(self.cache.lengths)
-            logits = self.runner.decode(self._pending, positions)
+            logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
             for slot in decoding:
                 self.cache.lengths[slot] += 1
             events += self._choose(logits, {slot: slot for slot in decoding})
@@ -192,16 +179,14 @@ class Engine:
         while self.has_work:
             yield self.step()
 
-    def _start_state(self, slot: int, request: Request) -> None:
-        seed = self._seeds.pop(id(request))
-        seen = counts = None
+    def _start_state(self, request: Request) -> None:
         if request.sampling.penalized:
             device = self.model.device  # (where the logits are)
             seen = torch.zeros(self.vocab, dtype=torch.bool, device=device)
             prompt = torch.tensor(request.prompt, device=device)
             seen[prompt[prompt < self.vocab]] = True
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=device)
-        self._state[slot] = (seed, seen, counts)
+            self._state[request] = (self._state[request][0], seen, counts)
 
     def _choose(
         self, logits: torch.Tensor, rows: dict[int, int], proposals: dict[int, list[int]] | None = None
@@ -241,7 +226,7 @@ class Engine:
             self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
                        "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
             return None
-        seed, seen, counts = self._state[slot]
+        seed, seen, counts = self._state[request]
         u = 0.0 if request.sampling.greedy else uniform(seed, len(request.prompt) + len(request.token_ids))
         try:
             token, logprob, top = sample_row(row, request.sampling, u, seen, counts, token=chosen,
@@ -259,17 +244,16 @@ class Engine:
         return token
 
     def _fail(self, slot: int, message: str) -> None:
-        request = self.running[slot]
-        self._free(slot)
+        request = self._free(slot)
         request.error = message
         request.finish("error")
 
-    def _free(self, slot: int) -> None:
+    def _free(self, slot: int) -> Request:
         request = self.running.pop(slot)
-        self._state.pop(slot, None)  # (none yet where its prefill failed)
+        self._state.pop(request, None)
         self._prefilling.pop(slot, None)
-        self._seeds.pop(id(request), None)
         self._pending[slot] = 0
         self.cache.lengths[slot] = 0
         if self.speculator is not None:
             self.speculator.ahead.pop(slot, None)
+        return request

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from model import GPTConfig, KVCache
-from model.attention import CHUNK
 
 CGROUP_DIR = Path("/sys/fs/cgroup")  # cgroup v2's files (v1 keeps its memory files under memory/)
 
@@ -23,17 +22,15 @@ def available_memory(device: torch.device) -> int | None:
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
-    rooms = [_proc_bytes("/proc/meminfo", "MemAvailable:")]
-    try:
+    rooms = [_proc_bytes("/proc/meminfo", "MemAvailable:"), _cgroup_room()]
+    with contextlib.suppress(ImportError, OSError, ValueError):
         import resource
 
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]
         if limit != resource.RLIM_INFINITY:
             size = _proc_bytes("/proc/self/status", "VmSize:")
             rooms.append(None if size is None else limit - size)
-    except (ImportError, OSError, ValueError):
-        pass
-    known = [r for r in [*rooms, _cgroup_room()] if r is not None]
+    known = [r for r in rooms if r is not None]
     return max(0, min(known)) if known else None
 
 
@@ -52,7 +49,7 @@ def out_of_memory(error: BaseException, advice: str) -> MemoryError | None:
     return MemoryError(f"out of memory{tried}; {advice}")
 
 
-@contextmanager
+@contextlib.contextmanager
 def said_plainly(advice: str) -> Iterator[None]:
     """Turn the allocator's failures in the block into :func:`out_of_memory`'s MemoryError."""
     try:
@@ -99,11 +96,9 @@ def check_engine_memory(
 ) -> None:
     """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit: beyond
     the weights it needs the KV cache, per-row vocabulary-sized state and one prefill's activations."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    positions = -(-cache_len // CHUNK) * CHUNK + 1  # (what KVCache allocates: whole chunks, one more)
-    cache = KVCache.bytes_per_token(config, dtype) * slots * positions
+    cache = KVCache(config, slots, cache_len, dtype=dtype, device="meta").nbytes  # (shapes only: no memory)
     # (a prefill's cached attention holds three fp32 (n_head, T, T) tensors at its peak)
-    prefill = cache_len * (4 * config.inner_dim * itemsize + 3 * config.n_head * cache_len * 4)
+    prefill = cache_len * (4 * config.inner_dim * dtype.itemsize + 3 * config.n_head * cache_len * 4)
     needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
     free = available_memory(device)
     if free is not None and needed > free:

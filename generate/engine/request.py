@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import operator
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,13 +15,9 @@ def check_seed(seed: object) -> int | None:
     """Return ``seed`` as an int (None stays None); ValueError unless it is an integer in 0..2**64-1."""
     if seed is None:
         return None
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        value = -1
-    if isinstance(seed, bool) or not 0 <= value < 2**64:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**64:
         raise ValueError(f"seed={seed!r} is out of range; a seed must be an integer in 0..2**64-1, or None")
-    return value
+    return int(seed)
 
 
 def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:

@@ -1,20 +1,27 @@
 """The runner: turns the engine's slots into model calls, eager or compiled.
 
-A prompt is prefilled alone, eagerly, in the chunks the engine cuts, so its bits are its own. A decode step
-runs every slot at once (idle ones at position 0), one token each at its own position. On the CPU it reads
-the cache up to the furthest row's position, in whole chunks of :data:`model.attention.CHUNK`: a row's
-attention gives the same bits over any number of chunks (:meth:`model.CausalAttention.decode`) and every
-product has the same shapes in every step, so a row's bits depend on that row alone. Elsewhere (CUDA) every
-step reads the whole cache.
+A prompt is prefilled alone, eagerly, in the chunks the engine cuts. A decode step runs every slot at once
+(idle ones at position 0), each at its own position, reading the cache in whole chunks: a row's bits depend
+on that row alone (:meth:`model.CausalAttention.decode`, docs/engine.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from model import GPT, KVCache
+
+
+def forward_step(
+    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
+) -> torch.Tensor:
+    """A step's forward: the last position's logits for one token per row, every position's for more."""
+    if tokens.shape[1] == 1:
+        return model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
+    return model(tokens, positions=positions, cache=cache, span=span, step=True)
 
 
 class Runner:
@@ -32,7 +39,7 @@ class Runner:
         width: int = 1,
     ) -> None:
         self.model, self.cache = model, cache
-        self._step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+        self._step = partial(forward_step, model, cache)  # (eager; the compiled step takes the same inputs)
         if compile:
             from generate.engine.compiled import compile_step
 
@@ -41,30 +48,23 @@ class Runner:
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Write ``tokens`` (a chunk of a prompt, from position ``start``) into ``slot``, attending to the
         positions before too; return the last position's logits, (V,)."""
-        device = self.model.device
+        device, end = self.model.device, start + len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(tokens), device=device)[None]
-        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=start + len(tokens),
-                            last_only=True)  # fmt: skip
+        positions = torch.arange(start, end, device=device)[None]
+        logits = self.model(ids, positions=positions, cache=self.cache, slot=slot, span=end, last_only=True)
         return logits[0, -1]
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
         device = self.model.device
         tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
-        span = self._span(positions)
-        if self._step is not None:
-            return self._step(tokens, rows, span)
-        return self.model(tokens, positions=rows, cache=self.cache, span=span, last_only=True)[:, -1]
+        return self._step(tokens, rows, self._span(positions))
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Several tokens for every slot at consecutive positions, attending as a decode step does:
         (slots, T) ids and positions -> (slots, T, V) logits."""
-        device, span = self.model.device, self._span(positions)
-        tokens, positions = tokens.to(device), positions.to(device)
-        if self._step is not None:
-            return self._step(tokens, positions, span)
-        return self.model(tokens, positions=positions, cache=self.cache, span=span, step=True)
+        device = self.model.device
+        return self._step(tokens.to(device), positions.to(device), self._span(positions))
 
     def _span(self, positions: torch.Tensor) -> int:
         """Cache positions a step reads: on the CPU up to the furthest row (the model rounds it up to whole

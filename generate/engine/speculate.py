@@ -1,10 +1,9 @@
-"""Speculative decoding: proposals checked in one step, exact by construction.
+"""Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md).
 
-A step feeds every slot its last token, then the tokens a proposer guesses will follow (padded to ``1 +
-lookahead``). The engine chooses from each position's logits as in a plain step, going on while the chosen
-token equals the proposal: the tokens are those it gives with no proposals, whatever is proposed. A row's bits
-depend on that row alone (every step has one shape), but as the shape is not a plain step's, logits may differ
-from a plain engine's in the last bits (within the prefix tests' tolerance): a near-tie can go another way.
+A step feeds every slot its last token, then its proposals (padded to ``1 + lookahead``); the engine chooses
+at each position as in a plain step while the chosen token equals the proposal, so whatever is proposed, the
+tokens are those of no proposals. The step's shape is not a plain step's: logits may differ from a plain
+engine's in the last bits (a near-tie can go another way).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from typing import Protocol
 import torch
 
 from generate.engine.request import Request
+from generate.engine.runner import Runner
 from model import GPT, KVCache
 
 DEFAULT_LOOKAHEAD = 4
@@ -56,6 +56,7 @@ class DraftProposer:
     def __init__(self, model: GPT, slots: int) -> None:
         self.model, window = model.eval(), model.config.n_positions
         self.cache = KVCache(model.config, slots, window, dtype=model.compute_dtype, device=model.device)
+        self.runner = Runner(self.model, self.cache)  # (eager: its prefill is a draft's step)
         self.fed: list[list[int]] = [[] for _ in range(slots)]  # the tokens each slot's cache holds
         self.owner: list[Request | None] = [None] * slots
 
@@ -72,13 +73,11 @@ class DraftProposer:
         fed = self.fed[slot]
         same = next((i for i, (a, b) in enumerate(zip(fed, history, strict=False)) if a != b), len(fed))
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
-        new, proposals, device = history[len(fed) :], [], self.model.device
+        new, proposals = history[len(fed) :], []
         for _ in range(k):
-            span, ids = len(fed) + len(new), torch.tensor([new], device=device)
-            pos = torch.arange(len(fed), span, device=device)[None]
-            logits = self.model(ids, positions=pos, cache=self.cache, slot=slot, span=span, last_only=True)
+            logits = self.runner.prefill(new, slot, len(fed))
             fed += new
-            new = [int(logits[0, -1].argmax())]
+            new = [int(logits.argmax())]
             proposals.append(new[0])
         return proposals
 

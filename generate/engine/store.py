@@ -86,9 +86,8 @@ def constants_span(path: Path) -> tuple[int, int]:
     """The addresses where the loaded library at ``path`` holds its weights (``.lrodata``): [start, end).
     OSError or ValueError where it is not loaded or has no such symbols."""
     library = ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    start, end = (ctypes.addressof(ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}"))
-                  for edge in ("start", "end"))  # fmt: skip
-    return start, end
+    start, end = (ctypes.c_char.in_dll(library, f"_binary_constants_bin_{edge}") for edge in ("start", "end"))
+    return ctypes.addressof(start), ctypes.addressof(end)
 
 
 def release_constants_pages(path: Path) -> int:
