@@ -319,10 +319,9 @@ def test_64_concurrent_streams_equal_the_offline_api_and_rss_stays_flat(server, 
         for i, completion in zip(rows, offline.generate(prompts, max_new_tokens=new, **options), strict=True):
             assert results[i][0] == completion.text, i
     before = server.rss()
-    for _ in range(2):
-        assert asyncio.run(round_()) == results
+    assert asyncio.run(round_()) == results
     growth = server.rss() - before
-    assert growth < 16 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 2 rounds of 64 streams"
+    assert growth < 16 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over a second round of 64 streams"
     assert server.metric("slots_busy") == 0 and server.metric("queue_depth") == 0
 
 
