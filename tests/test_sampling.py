@@ -456,6 +456,23 @@ def test_rejected_draws_are_drawn_again_until_one_lies_in_the_nucleus():
     assert chi2(counts, torch.softmax(logits.double()[allowed], dim=0)) < CHI2_BOUND
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99])
+def test_every_token_drawn_passes_the_full_nucleus_check(top_p):
+    # A likely token is kept without adding up the mass before it: each drawn token must pass that check
+    # all the same, computed as the sampler computes it (float32, the tokens more likely, then ties before).
+    params, kept_early = SamplingParams(temperature=0.8, top_p=top_p), 0
+    for scale in (2.0, 4.0, 8.0):
+        logits = torch.randn(50_257, generator=torch.Generator().manual_seed(int(scale))) * scale
+        probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+        for position in range(150):
+            token = sample_row(logits, params, uniform(4, position))[0]
+            p = probs[token]
+            mass = torch.dot(probs, (probs > p).to(probs.dtype)) + (probs[:token] == p).sum() * p
+            assert mass < top_p or mass == 0, (scale, position, token, float(p), float(mass))
+            kept_early += float(p) > 1 - top_p + (len(probs) + 3) * 2.0**-22
+    assert kept_early > 50  # (the early keep was taken: the check is not vacuous)
+
+
 def test_ties_at_the_nucleus_edge_keep_the_lower_ids():
     logits = torch.full((20,), -30.0)
     logits[3:7] = 0.0  # four tokens of probability ~1/4: top-p 0.4 keeps two of them

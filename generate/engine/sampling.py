@@ -165,6 +165,10 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
         if params.top_p >= 1.0:
             return token
         p = probs[token]
+        # The mass below is at most the others' 1 - p, plus float32's error bound for summing n terms twice
+        # (the softmax's, the dot's): a token above 1 - top_p by that bound is surely kept, nothing to add up.
+        if float(p) > 1 - params.top_p + (len(probs) + 3) * 2.0**-22:
+            return token
         before, ties = probs > p, probs[:token] == p
         mass = torch.dot(probs, before.to(probs.dtype)) + ties.sum() * p
         if bool((mass < params.top_p) | (mass == 0)):

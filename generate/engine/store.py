@@ -41,7 +41,7 @@ def cache_limit_bytes() -> int:
 
 
 def use_inductor_cache() -> None:
-    """Point inductor's own cache (autotuning's results, compiled kernels) into ours, if it can be made."""
+    """Point inductor's own cache (its compiled kernels) into ours, if it can be made."""
     directory = cache_dir() / "inductor"
     with contextlib.suppress(OSError):
         directory.mkdir(parents=True, exist_ok=True)
