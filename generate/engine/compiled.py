@@ -33,9 +33,11 @@ log = logging.getLogger("gptgen")
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
-# Inductor's settings on the CPU: the weights frozen and prepacked for its C++ GEMM template, the only kernel
-# offered to each product, so nothing is chosen by timing: a compile's kernels follow from the shapes.
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# Inductor's settings on the CPU: the weights frozen and prepacked for one kernel per product, its C++ GEMM
+# template where the CPU has AVX-512 (micro-kernels for every dtype here), else ATen's, so nothing is chosen
+# by timing: a compile's kernels follow from the shapes and the CPU.
+GEMM = "CPP" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "ATEN"
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": GEMM}
 
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
 COMPILE_FIXED_BYTES = 512 * 2**20
