@@ -102,6 +102,8 @@ def run_ray(
             done = {input_key(row) for row in read(output_dir).iter_rows()}
             ds = ds.filter(lambda row: input_key(row) not in done)
             remaining = ds.count()
+            if remaining == 0:  # every row is there: no workers to start (each would load the model)
+                return 0, total
         ds = ds.map_batches(
             BatchWorker,
             fn_constructor_kwargs={"load_options": load_options, "defaults": asdict(defaults), "slots": slots,
