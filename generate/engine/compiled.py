@@ -122,7 +122,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
     path.parent.mkdir(parents=True, exist_ok=True)
     store.use_inductor_cache()
     rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {width} tokens" if width > 1 else "")
-    what = (f"compiling the decode step ({rows} x {cache.max_len} positions; a minute or more, once per "
+    what = (f"compiling the decode step ({rows} x {cache.max_len} positions; half a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
     with (
         _progress(what, progress),

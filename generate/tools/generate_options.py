@@ -94,9 +94,9 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="run the decode step compiled: a minute or more to compile the first time for each checkpoint, "
-        "dtype and --batch-size, then kept on disk and loaded in seconds; pays off for long or many "
-        "generations",
+        help="run the decode step compiled: half a minute or more to compile the first time for each "
+        "checkpoint, dtype and --batch-size, then kept on disk and loaded in seconds; pays off for long or "
+        "many generations",
     )
     p.add_argument(
         "--deterministic",
