@@ -14,7 +14,6 @@ from model.attention import CHUNK, CausalAttention
 from model.cache import KVCache
 from model.config import GPTConfig
 
-# Every other name in config.ACTIVATIONS is GELU's tanh approximation.
 _ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU, "swish": nn.SiLU}
 
 
@@ -22,8 +21,12 @@ class TiedEmbedding(nn.Embedding):
     """The token embedding, which is also the output head."""
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size)."""
-        return F.linear(x, self.weight)
+        """Logits ``x @ weight.T``, (..., n_embd) -> (..., vocab_size); a weight ``checkpoints.load`` laid out
+        as (n_embd, vocab padded to 16) is multiplied over its padded width (why: its ``_lay_out_head``)."""
+        w = self.weight
+        if w.stride(0) == 1:
+            w = w.as_strided((w.stride(1), w.shape[1]), (1, w.stride(1)))
+        return F.linear(x, w)[..., : self.num_embeddings]
 
 
 class MLP(nn.Module):

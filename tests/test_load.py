@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import checkpoints
@@ -99,6 +100,23 @@ def test_dtype_eval_mode_and_device(ckpt, dtype, expected):
         assert p.dtype == expected and p.device.type == "cpu"
         assert torch.equal(p, dict(model.named_parameters())[name].to(expected))  # cast, not re-initialised
     assert loaded(torch.tensor([[1, 2, 3]])).dtype == expected
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_fp32_head_is_multiplied_over_a_width_padded_to_16(ckpt, dtype):
+    directory, model = ckpt  # vocab 50: padded to 64 in fp32; bf16 and fp16 keep (vocab, n_embd)
+    head = checkpoints.load(directory, dtype=dtype).wte
+    weight, x = head.weight, torch.randn(3, 5, 32).to(head.weight.dtype)
+    assert torch.equal(weight, model.wte.weight.to(weight.dtype))
+    if dtype == "float32":
+        assert weight.stride() == (1, 64)
+        stored = weight.as_strided((64, 32), (1, 64))  # the matrix the product reads
+        assert torch.equal(stored[50:], torch.zeros(14, 32))
+        assert torch.equal(head.project(x), F.linear(x, stored)[..., :50])
+    else:
+        assert weight.is_contiguous()
+    assert head.project(x).shape == (3, 5, 50)
+    torch.testing.assert_close(head.project(x), F.linear(x, model.wte.weight.to(x.dtype)), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
