@@ -3,19 +3,24 @@
 A sampled token is a fixed function of the row's logits, its request's seed and the token's position (one
 uniform number, :func:`uniform` of the two, and numbers hashed from it; no generator carries state), so
 speculative decoding's verification chooses exactly as a plain step. Top-p without top-k is drawn by
-rejection (:func:`draw`): each kept token has exactly its filtered-softmax probability, and nothing is sorted.
+rejection (:func:`draw`): each kept token has its filtered-softmax probability (to float32's rounding),
+and nothing is sorted.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 
 MASK64 = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15
+BLOCK = 256  # a draw picks a block of this many ids, then an id in it (about the square root of a vocabulary)
 
 
 def _mix64(x: int) -> int:
@@ -138,13 +143,27 @@ def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tens
     return ids, kept
 
 
+def _pick(weights: list[float], u: float) -> tuple[int, float]:
+    """The index where the running sum of ``weights`` (float64, in order) passes ``u`` of their total, never
+    one of weight 0, and the fraction of that weight ``u`` fell at (the number a draw inside it uses)."""
+    cumulative = list(accumulate(weights))
+    point = u * cumulative[-1]
+    i = bisect_right(cumulative, point)
+    if i == len(weights):  # (rounding past the end: the last positive weight)
+        i = max(j for j, w in enumerate(weights) if w > 0)
+    return i, min((point - (cumulative[i - 1] if i else 0.0)) / weights[i], 1.0)
+
+
 def _draw(probs: torch.Tensor, u: float) -> int:
-    """The position where the cumulative distribution of ``probs``, in id order and summed in float64, passes
-    ``u`` of its total; never a token of probability 0 (rounding past the end takes the last positive one)."""
-    cumulative = probs.cumsum(0, dtype=torch.float64)
-    point = torch.tensor(u, dtype=torch.float64, device=probs.device) * cumulative[-1]
-    i = int(torch.searchsorted(cumulative, point, right=True))
-    return i if i < len(probs) else int((probs > 0).nonzero()[-1, 0])
+    """The position in ``probs`` (V,) drawn at the uniform number ``u`` in proportion to its value, in two
+    steps that write no buffer the size of V: a block of :data:`BLOCK` ids in proportion to its sum (float32),
+    then an id inside it in proportion to its value; never a token of probability 0."""
+    full = len(probs) - len(probs) % BLOCK
+    sums = probs[:full].view(-1, BLOCK).sum(1).tolist()
+    if full < len(probs):
+        sums.append(float(probs[full:].sum()))
+    block, v = _pick(sums, u)
+    return block * BLOCK + _pick(probs[block * BLOCK : (block + 1) * BLOCK].tolist(), v)[0]
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
@@ -158,22 +177,24 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
         ids, kept = candidates(logits, params)
         drawn = _draw(torch.softmax(kept, dim=-1), u)
         return drawn if ids is None else int(ids[drawn])
-    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+    probs = logits.sub(logits.max()).div_(params.temperature)  # one buffer for all: cold after a step
+    torch.softmax(probs, dim=-1, out=probs)
     support = probs if params.min_p == 0.0 else torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
     for attempt in range(len(probs)):
         token = _draw(support, u)
         if params.top_p >= 1.0:
             return token
-        p = probs[token]
-        # The mass below is at most the others' 1 - p, plus float32's error bound for summing n terms twice
-        # (the softmax's, the dot's): a token above 1 - top_p by that bound is surely kept, nothing to add up.
-        if float(p) > 1 - params.top_p + (len(probs) + 3) * 2.0**-22:
+        p = float(probs[token])
+        # The mass before it is at most the others' 1 - p, plus float32's error bound for summing n terms
+        # twice (the softmax's, the mass's): a token above 1 - top_p by that bound is surely kept.
+        if p > 1 - params.top_p + (len(probs) + 3) * 2.0**-22:
             return token
-        before, ties = probs > p, probs[:token] == p
-        mass = torch.dot(probs, before.to(probs.dtype)) + ties.sum() * p
-        if bool((mass < params.top_p) | (mass == 0)):
+        above = float(F.threshold(probs, p, 0.0).sum())  # the tokens more likely; then ties of lower ids
+        mass = above + int((probs[:token] == p).sum()) * p if above < params.top_p else above
+        if mass < params.top_p or mass == 0:
             return token
-        before[:token] |= ties
+        before = probs > p
+        before[:token] |= probs[:token] == p
         support = torch.where(before, support, 0.0)
         u = _unit(int(u * 2.0**53) + attempt * GOLDEN)  # the next draw's number, hashed from this one
     raise AssertionError("unreachable: the most likely token is always kept")
