@@ -11,7 +11,7 @@ import transformers
 import checkpoints
 from generate.engine.engine import Engine
 from generate.engine.request import Request
-from generate.engine.sampling import SamplingParams, candidates, draw
+from generate.engine.sampling import SamplingParams, draw
 from model import GPT, GPTConfig, KVCache
 from model.int4 import unpack_codes
 
@@ -164,12 +164,41 @@ def mixed_requests(config, seed, count=6):
     return out
 
 
+def _candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Reference (sorting, unlike ``sampling.draw``): the tokens one row may draw, (n,) ids (None: every
+    token), and their logits shifted (the top one to 0) and divided by the temperature; top-k, then top-p
+    over the survivors' softmax, then min-p."""
+    # Shift first: a tiny temperature then sends the others to -inf, not inf/inf. Below the dtype's smallest
+    # normal number, where the top logit would be 0/0, the limit is taken: the top logits (ties shared) alone.
+    top = logits.max()
+    if params.temperature < torch.finfo(logits.dtype).tiny:
+        ids = (logits == top).nonzero()[:, 0]
+        return ids, torch.zeros(len(ids), dtype=logits.dtype, device=logits.device)
+    scaled = (logits - top) / params.temperature
+    ids = None
+    if 0 < params.top_k < len(scaled):
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        ids = (scaled >= kth).nonzero()[:, 0]  # (ties with the k-th stay)
+    kept = scaled if ids is None else scaled[ids]
+    if params.top_p < 1.0:  # the fewest most likely (ties: lower ids first) that reach top_p, in id order
+        values, order = torch.softmax(kept, dim=-1).sort(descending=True, stable=True)
+        inside = (values.cumsum(0) - values) < params.top_p
+        inside[0] = True  # (a top_p too tiny for float32 rounds to 0)
+        chosen = order[inside].sort().values
+        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
+    if params.min_p > 0.0:
+        probs = torch.softmax(kept, dim=-1)
+        chosen = (probs >= params.min_p * probs.max()).nonzero()[:, 0]
+        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
+    return ids, kept
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Reference: each row's logits shifted (its top one to 0) and divided by the temperature, with the tokens
     top-k, top-p and min-p exclude at ``-inf`` (at least each row's most likely token stays finite)."""
     out = torch.full_like(logits, float("-inf"))
     for row, values in enumerate(logits):
-        ids, kept = candidates(values, params)
+        ids, kept = _candidates(values, params)
         out[row, slice(None) if ids is None else ids] = kept
     return out
 

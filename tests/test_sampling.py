@@ -422,7 +422,8 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
         (SamplingParams(temperature=1.0), 12, 1.0),
         (SamplingParams(temperature=0.7, top_k=6), 12, 1.0),
         (SamplingParams(temperature=1.3, top_p=0.8, min_p=0.02), 16, 1.0),
-        # a large vocabulary with a small nucleus: top-p's candidate set, not a full sort
+        (SamplingParams(temperature=0.6, top_k=9, top_p=0.8, min_p=0.05), 40, 1.0),  # top-p over top-k's
+        # a large vocabulary (not a whole number of blocks) with a small nucleus
         (SamplingParams(temperature=0.8, top_p=0.9), 50_000, 5.0),
     ],
     ids=repr,

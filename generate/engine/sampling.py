@@ -2,9 +2,9 @@
 
 A sampled token is a fixed function of the row's logits, its request's seed and the token's position (one
 uniform number, :func:`uniform` of the two, and numbers hashed from it; no generator carries state), so
-speculative decoding's verification chooses exactly as a plain step. Top-p without top-k is drawn by
-rejection (:func:`draw`): each kept token has its filtered-softmax probability (to float32's rounding),
-and nothing is sorted.
+speculative decoding's verification chooses exactly as a plain step. Top-p is drawn by rejection
+(:func:`draw`): each kept token has its filtered-softmax probability (to float32's rounding), and nothing
+is sorted.
 """
 
 from __future__ import annotations
@@ -115,43 +115,13 @@ def apply_penalties(
     return logits
 
 
-def candidates(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The tokens one row may draw, (n,) ids (None: every token), and their logits shifted (the top one to 0)
-    and divided by the temperature; top-k, then top-p over the survivors' softmax, then min-p."""
-    # Shift first: a tiny temperature then sends the others to -inf, not inf/inf. Below the dtype's smallest
-    # normal number, where the top logit would be 0/0, the limit is taken: the top logits (ties shared) alone.
-    top = logits.max()
-    if params.temperature < torch.finfo(logits.dtype).tiny:
-        ids = (logits == top).nonzero()[:, 0]
-        return ids, torch.zeros(len(ids), dtype=logits.dtype, device=logits.device)
-    scaled = (logits - top) / params.temperature
-    ids = None
-    if 0 < params.top_k < len(scaled):
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        ids = (scaled >= kth).nonzero()[:, 0]  # (ties with the k-th stay)
-    kept = scaled if ids is None else scaled[ids]
-    if params.top_p < 1.0:  # the fewest most likely (ties: lower ids first) that reach top_p, in id order
-        values, order = torch.softmax(kept, dim=-1).sort(descending=True, stable=True)
-        inside = (values.cumsum(0) - values) < params.top_p
-        inside[0] = True  # (a top_p too tiny for float32 rounds to 0)
-        chosen = order[inside].sort().values
-        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
-    if params.min_p > 0.0:
-        probs = torch.softmax(kept, dim=-1)
-        chosen = (probs >= params.min_p * probs.max()).nonzero()[:, 0]
-        ids, kept = (chosen if ids is None else ids[chosen]), kept[chosen]
-    return ids, kept
-
-
 def _pick(weights: list[float], u: float) -> tuple[int, float]:
     """The index where the running sum of ``weights`` (float64, in order) passes ``u`` of their total, never
     one of weight 0, and the fraction of that weight ``u`` fell at (the number a draw inside it uses)."""
     cumulative = list(accumulate(weights))
-    point = u * cumulative[-1]
+    point = min(u * cumulative[-1], math.nextafter(cumulative[-1], 0.0))  # (rounding: never past the end)
     i = bisect_right(cumulative, point)
-    if i == len(weights):  # (rounding past the end: the last positive weight)
-        i = max(j for j, w in enumerate(weights) if w > 0)
-    return i, min((point - (cumulative[i - 1] if i else 0.0)) / weights[i], 1.0)
+    return i, (point - (cumulative[i - 1] if i else 0.0)) / weights[i]
 
 
 def _draw(probs: torch.Tensor, u: float) -> int:
@@ -168,16 +138,20 @@ def _draw(probs: torch.Tensor, u: float) -> int:
 
 def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     """One row's token from its (V,) logits (penalties applied): the argmax when greedy, else a draw from the
-    filtered softmax at the uniform number ``u``. Without top-k, top-p is drawn by rejection: draw among the
-    tokens min-p keeps; keep the token when the tokens before it (most likely first, ties by lower id) hold
-    less than ``top_p``, else draw again among those before it, at a number hashed from ``u``."""
+    filtered softmax at the uniform number ``u``, by rejection: draw among the tokens top-k and min-p keep;
+    keep the token when the tokens before it (most likely first, ties by lower id) hold less than ``top_p``
+    of top-k's renormalised softmax, else draw again among those before it, at a number hashed from ``u``."""
     if params.greedy:
         return int(logits.argmax())
-    if params.top_k > 0 or params.temperature < torch.finfo(logits.dtype).tiny:
-        ids, kept = candidates(logits, params)
-        drawn = _draw(torch.softmax(kept, dim=-1), u)
-        return drawn if ids is None else int(ids[drawn])
-    probs = logits.sub(logits.max()).div_(params.temperature)  # one buffer for all: cold after a step
+    top = logits.max()
+    if params.temperature < torch.finfo(logits.dtype).tiny:  # (the limit: the top logits, ties shared, alone)
+        ties = (logits == top).nonzero()[:, 0]
+        return int(ties[_pick([1.0] * len(ties), u)[0]])
+    # Shifted first: a tiny temperature then sends the others to -inf, not inf/inf. One buffer for all: right
+    # after a step, whatever the draw writes is out of the caches.
+    probs = logits.sub(top).div_(params.temperature)
+    if 0 < params.top_k < len(probs):  # (ties with the k-th stay)
+        probs.masked_fill_(probs < torch.topk(probs, params.top_k).values[-1], -math.inf)
     torch.softmax(probs, dim=-1, out=probs)
     support = probs if params.min_p == 0.0 else torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
     for attempt in range(len(probs)):
