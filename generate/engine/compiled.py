@@ -33,11 +33,13 @@ log = logging.getLogger("gptgen")
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
-# Inductor's settings on the CPU: the weights frozen and prepacked for one kernel per product, its C++ GEMM
-# template where the CPU has AVX-512 (micro-kernels for every dtype here), else ATen's, so nothing is chosen
-# by timing: a compile's kernels follow from the shapes and the CPU.
-GEMM = "CPP" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "ATEN"
-CPU_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": GEMM}
+# Inductor's settings on the CPU: the weights frozen and prepacked for one kernel per product, so nothing is
+# timed: a compile's kernels follow from the shapes and the CPU. Its C++ GEMM template (micro-kernels for
+# every dtype here) where the CPU has AVX-512 and a step has at most TEMPLATE_ROWS rows (slots x width), else
+# ATen's kernels (on Zen 4 the template took 2.5x their time for 8 rows in bf16, 1.6x for 5).
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+TEMPLATE_ROWS = 4
+CPU_OPTIONS = {"freezing": True, "max_autotune": True}
 
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
 COMPILE_FIXED_BYTES = 512 * 2**20
@@ -140,8 +142,10 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         dynamic = (None, None, chunks, (None,) * (2 * len(cache.k)))
         exported = torch.export.export(_Step(model), inputs, dynamic_shapes=dynamic)
         package = Path(work) / "step.pt2"
+        gemm = "CPP" if AVX512 and cache.slots * width <= TEMPLATE_ROWS else "ATEN"
+        options = {**CPU_OPTIONS, "max_autotune_gemm_backends": gemm}
         torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
-                                                 inductor_configs=dict(CPU_OPTIONS))  # fmt: skip
+                                                 inductor_configs=options)  # fmt: skip
         # Keep the package's one shared library alone: a later process loads it without unpacking a zip.
         with zipfile.ZipFile(package) as archive:
             libraries = [name for name in archive.namelist() if name.endswith(".so")]
