@@ -191,8 +191,8 @@ def sample_row(
     the ``top`` most likely tokens' log-probabilities by id with ``top``), None for what was not asked."""
     tracked = seen is not None and counts is not None
     if token is None:
-        row = apply_penalties(logits[None], seen[None], counts[None], params) if tracked else logits[None]
-        token = draw(row[0], params, u)
+        row = apply_penalties(logits[None], seen[None], counts[None], params)[0] if tracked else logits
+        token = draw(row, params, u)
     if tracked:
         seen[token] = True
         counts[token] += 1
