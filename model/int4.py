@@ -4,10 +4,15 @@ Codes 0..15 stand for ``(code - 8) * scale + zero``, the form of stock PyTorch's
 ``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packed layout.
 Rows are padded with zero rows to a multiple of :data:`ROW_BLOCK` (the CPU's wants N a multiple of 16) and
 the padded outputs sliced off: each output column is its own row's sum, so padding changes no real output.
+From :data:`DEQUANT_ROWS` input rows on (a prompt) a CPU product turns blocks of weight rows into bf16 (one
+rounding each) for a bf16 product instead: the kernel is built for few rows (a compiled step keeps the kernel,
+whose weights it prepacks). The way is chosen by shape.
 The tied embedding also keeps its codes plainly, two to a byte, for a lookup that reads only its rows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +28,7 @@ ROW_BLOCK = 64
 WEIGHTS_PER_PASS = 2**20
 # CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
 INNER_K_TILES = 8
+DEQUANT_ROWS = 64  # input rows from which a CPU product runs in bf16 (about where the two ways cost the same)
 
 
 def check_group_size(group_size: int, width: int | None = None) -> None:
@@ -97,11 +103,46 @@ def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
     return F.pad(scales_zeros, (0, 0, 0, _padded(n) - n))
 
 
+@functools.cache
+def _cpu_layout() -> tuple[int, slice, slice]:
+    """The CPU packing's rows per block (by the CPU's vector width), and the block's rows that the low and
+    the high nibbles of its bytes along a column hold: read off packing rows whose codes are their numbers."""
+
+    def packed(codes: torch.Tensor) -> torch.Tensor:  # (ROW_BLOCK, 2) -> flat bytes
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 1).long()
+
+    rows = torch.arange(ROW_BLOCK)[:, None].expand(-1, 2)
+    half = int(packed(torch.arange(2).expand(ROW_BLOCK, 2)).flatten().nonzero()[0])  # where column 1 starts
+    low, high = (packed(digits).flatten()[:half] for digits in (rows % 16, rows // 16))
+    low, high = (low & 15) + 16 * (high & 15), (low >> 4) + 16 * (high >> 4)
+    return 2 * half, *(slice(int(r[0]), int(r[-1]) + 1, int(r[1] - r[0])) for r in (low, high))
+
+
+def _dequantized_t(packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """The CPU-packed rows given (whole blocks) as ``W.T`` in bf16, (K, rows): each ``(code - 8) * scale +
+    zero`` computed in fp32 and rounded once."""
+    block, low, high = _cpu_layout()
+    k = 2 * packed.shape[1]
+    p = packed.view(-1, k, block // 2).transpose(0, 1)  # (K, blocks, block / 2)
+    q = torch.empty(k, p.shape[1], block, dtype=torch.uint8)
+    q[..., low], q[..., high] = p & 15, p >> 4
+    scale, zero = scales_zeros.float().unbind(-1)  # (G, rows) each
+    w = torch.addcmul(zero[:, None], q.view(-1, group_size, scale.shape[1]).float().sub_(8), scale[:, None])
+    return w.view(k, -1).to(COMPUTE_DTYPE)
+
+
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor, n: int):
     """``x @ W.T`` for the int4 matrix W of ``n`` real rows: (..., K) -> (..., n), bf16."""
-    ops = torch.ops.aten
-    mm = ops._weight_int4pack_mm if packed.device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
-    y = mm(as_rows(x), packed, group_size, scales_zeros)
+    rows = as_rows(x)
+    if packed.device.type == "cpu" and rows.shape[0] >= DEQUANT_ROWS and not torch.compiler.is_compiling():
+        step = _rows_per_pass(rows.shape[1])
+        parts = range(0, n, step)
+        y = torch.cat([rows @ _dequantized_t(packed[b : b + step], group_size, scales_zeros[:, b : b + step])
+                       for b in parts], dim=-1)  # fmt: skip
+    else:
+        ops = torch.ops.aten
+        mm = ops._weight_int4pack_mm if packed.device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
+        y = mm(rows, packed, group_size, scales_zeros)
     return y[:, :n].reshape(*x.shape[:-1], n)
 
 

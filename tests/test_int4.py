@@ -61,6 +61,55 @@ def test_the_kernel_equals_the_dequantized_product_and_padding_changes_no_output
     assert ((y.float() - reference).abs() <= 2 * 2**-8 * reference.abs() + 1e-2).all()
 
 
+@pytest.mark.parametrize("rows", [1, 63, 64, 130])  # the int4 kernel below DEQUANT_ROWS, bf16 from it on
+def test_int4_products_of_few_and_many_rows_equal_the_dequantized_product(rows, monkeypatch):
+    monkeypatch.setattr(int4, "WEIGHTS_PER_PASS", 64 * 256)  # 64 weight rows a pass: 4 passes, the last short
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(256, 200)
+    layer = Int4Linear.from_linear(linear, 32)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    reference = x.float() @ dequantize(*quantize_groups(linear.weight, 32)).T + layer.bias.float()
+    got = layer(x).float()
+    # bf16 output (and from DEQUANT_ROWS on bf16 weights): within a few ulps of the largest value
+    assert got.shape == (rows, 200) and (got - reference).abs().max() <= 4 * 2**-8 * reference.abs().max()
+    called = []
+    kernel = "_weight_int4pack_mm_for_cpu"
+    monkeypatch.setattr(torch.ops.aten, kernel, lambda *a: called.append(1) or torch.zeros(rows, 256))
+    layer(x)
+    assert bool(called) == (rows < int4.DEQUANT_ROWS)
+
+
+_READ_BACK = """
+import torch
+from model import int4
+torch.manual_seed(0)
+weight = torch.randn(300, 256) * torch.logspace(-2, 1, 300)[:, None] + torch.randn(300, 1)
+codes, scales_zeros = int4.quantize_groups(weight, 32)
+q = int4.unpack_codes(codes).float().view(300, 8, 32) - 8
+s, z = scales_zeros.float().permute(2, 1, 0)
+expected = (q * s[..., None] + z[..., None]).view(300, 256).to(torch.bfloat16)
+got = int4._dequantized_t(int4.pack(codes), 32, int4._pad_scales(scales_zeros))[:, :300].T
+assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+print(torch.backends.cpu.get_cpu_capability(), int4._cpu_layout()[0])
+"""
+
+
+@pytest.mark.parametrize("capability", [None, "avx2", "default"])
+def test_many_row_products_read_the_packed_weights_right_under_every_cpu_packing(capability):
+    # The CPU packing's layout follows torch's CPU capability (blocks of 64 rows with AVX-512, 32 with AVX2,
+    # pairs of rows without); ATEN_CPU_CAPABILITY runs a process at a lower one. Each weight read back is
+    # its fp32 value rounded once to bf16, bit for bit.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **({"ATEN_CPU_CAPABILITY": capability} if capability else {})}
+    done = subprocess.run([sys.executable, "-c", _READ_BACK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    if capability:
+        assert done.stdout.split()[0] == capability.upper()
+
+
 def test_the_tied_lookup_and_head_use_the_same_int4_values():
     torch.manual_seed(3)
     weight = torch.randn(97, 64)  # a vocabulary that is not a multiple of 64: the head is padded
