@@ -120,14 +120,11 @@ class Engine:
         request.finish("cancelled")
 
     @torch.inference_mode()
+    @said_plainly(OUT_OF_MEMORY_ADVICE)
     def step(self) -> list[tuple[Request, int]]:
         """Admit waiting requests into free slots, then advance every running request by a token (more
         where proposals are accepted); return (request, token) for each token chosen, in slot order.
         MemoryError if the allocator ran out of memory (said plainly)."""
-        with said_plainly(OUT_OF_MEMORY_ADVICE):
-            return self._step()
-
-    def _step(self) -> list[tuple[Request, int]]:
         free = [s for s in range(self.slots) if s not in self.running]
         for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
