@@ -56,9 +56,7 @@ class Runner:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
-        device = self.model.device
-        tokens, rows = tokens.to(device).clone()[:, None], positions.to(device).clone()[:, None]
-        return self._step(tokens, rows, self._span(positions))
+        return self.verify(tokens.clone()[:, None], positions.clone()[:, None])  # (inference tensors)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Several tokens for every slot at consecutive positions, attending as a decode step does:
