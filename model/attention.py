@@ -16,8 +16,7 @@ CHUNK = 64
 
 
 class CausalAttention(nn.Module):
-    """Multi-head causal self-attention, GPT-2 style (fused ``c_attn`` projection, ``c_proj`` output); without
-    a cache the reference, masked by a kept ``triu(ones, diagonal=1)`` (True = may not attend)."""
+    """GPT-2's multi-head causal self-attention (fused ``c_attn``, ``c_proj``); uncached, the reference."""
 
     def __init__(
         self,
@@ -70,8 +69,7 @@ class CausalAttention(nn.Module):
         return self.mask[:t, :t]
 
     def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """The reference's softmax attention weights, computed explicitly (with dropout in training mode):
-        (B, num_heads, T, T)."""
+        """The reference's softmax attention weights, (B, num_heads, T, T), with dropout in training mode."""
         q, k, _ = self._qkv(x)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         scores = scores.masked_fill(self._blocked(x.shape[1]), float("-inf"))
