@@ -37,8 +37,7 @@ OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter 
 
 
 class Engine:
-    """Runs requests in a fixed set of ``slots`` (the rows of every step) with ``model`` (in eval mode);
-    requests join and leave between steps.
+    """Runs requests in a fixed set of ``slots`` (the rows of every step) with ``model`` (in eval mode).
 
     Args:
         max_len: cache positions per slot (default, and when compiled, the model's window); a request
@@ -101,8 +100,7 @@ class Engine:
     def add(self, request: Request) -> Request:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
-        # Results reset and the seed fixed once, here (refuses stop strings without a tokenizer).
-        seed = request.start(self.token_bytes)
+        seed = request.start(self.token_bytes)  # results reset and the seed fixed once, here
         if request.max_new_tokens == 0:
             request.finish("length")
         else:

@@ -25,9 +25,8 @@ def forward_step(
 
 
 class Runner:
-    """Calls the model for the engine: ``width`` tokens per slot in a step (1, or more to verify
-    speculative proposals); with ``compile``, the step runs compiled
-    (:func:`generate.engine.compiled.compile_step`, reporting to ``progress``)."""
+    """Calls the model for the engine, ``width`` tokens per slot a step (more to verify proposals); with
+    ``compile`` the step runs compiled (:func:`generate.engine.compiled.compile_step`, told ``progress``)."""
 
     def __init__(
         self,
