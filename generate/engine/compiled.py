@@ -34,9 +34,8 @@ Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
 # Inductor's settings on the CPU: the weights frozen and prepacked for one kernel per product, so nothing is
-# timed: a compile's kernels follow from the shapes and the CPU. Its C++ GEMM template (micro-kernels for
-# every dtype here) where the CPU has AVX-512 and a step has at most TEMPLATE_ROWS rows (slots x width), else
-# ATen's kernels (on Zen 4 the template took 2.5x their time for 8 rows in bf16, 1.6x for 5).
+# timed: its C++ GEMM template where the CPU has AVX-512 and a step has at most TEMPLATE_ROWS rows (slots x
+# width), else ATen's kernels (the rule and the Zen 4 timings behind it: docs/engine.md).
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
 CPU_OPTIONS = {"freezing": True, "max_autotune": True}
@@ -61,8 +60,7 @@ def check_compile_memory(model: GPT) -> None:
 
 
 def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
-    """The name of a compiled step: a digest of the weights (and their layouts), config, dtype, shapes, the
-    code it is traced from, torch and the CPU."""
+    """The name of a compiled step: a digest of everything its library depends on."""
     h = hashlib.blake2b(digest_size=16)
     for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), runner.__file__, __file__]:
         h.update(Path(path).read_bytes())
@@ -211,8 +209,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
 
 
 def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
-    """The compiled step of ``model`` over ``cache`` (see :data:`Step`): on the CPU an AOTInductor library
-    kept on disk (:func:`packaged_step`), elsewhere ``torch.compile``'s (:func:`jit_step`)."""
+    """The compiled step of ``model`` over ``cache`` (see :data:`Step`), the CPU's or ``torch.compile``'s."""
     if model.device.type == "cpu":
         return packaged_step(model, cache, progress, width)
     return jit_step(model, cache, progress, width)
