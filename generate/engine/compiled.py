@@ -197,11 +197,7 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
         torch._dynamo.mark_static_address(buffer)
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
     what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
-    with (
-        _progress(what, progress),
-        torch.inference_mode(),  # (the engine's steps are; dynamo guards on it)
-        torch._inductor.config.patch({}),  # (the CPU runs AOTInductor's library; this serves tests there)
-    ):
+    with _progress(what, progress), torch.inference_mode():  # (the engine's steps are; dynamo guards on it)
         tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
         positions = torch.arange(width, device=model.device).repeat(cache.slots, 1)
         compiled(tokens, positions, *cache.k, *cache.v)  # writes the first positions (cleared on join)
