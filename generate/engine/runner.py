@@ -1,9 +1,5 @@
-"""The runner: turns the engine's slots into model calls, eager or compiled.
-
-A prompt is prefilled alone, eagerly, in the chunks the engine cuts. A decode step runs every slot at once
-(idle ones at position 0), each at its own position, reading the cache in whole chunks: a row's bits depend
-on that row alone (:meth:`model.CausalAttention.decode`, docs/engine.md).
-"""
+"""The runner: the engine's model calls. A prompt's chunk runs alone, eagerly; a step (eager or compiled) runs
+every slot at once, each at its own position (idle ones at 0), reading the cache in whole chunks."""
 
 from __future__ import annotations
 
