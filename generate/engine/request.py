@@ -121,8 +121,7 @@ class Request:
         return secrets.randbits(64) if self.seed is None else self.seed
 
     def record(self, token: int, window: int) -> None:
-        """Append a chosen token and decide whether the request is finished (EOS, stop string, budget, or
-        prompt + output filling the ``window``)."""
+        """Append a chosen token; finish the request if it ends one (EOS, a stop string, budget, window)."""
         self.token_ids.append(token)
         if token == self.eos_id or (self.text is not None and self.text.add(token)):
             self.finish("stop")
