@@ -147,24 +147,33 @@ class Engine:
         if decoding and self.speculator is not None:
             events += self._verify(decoding)
         elif decoding:
-            logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
-            for slot in decoding:
-                self.cache.lengths[slot] += 1
-            events += self._choose(logits, {slot: slot for slot in decoding})
+            events += self._decode(decoding)
         return events
+
+    def _decode(self, decoding: list[int]) -> list[tuple[Request, int]]:
+        logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
+        for slot in decoding:
+            self.cache.lengths[slot] += 1
+        return self._choose(logits, {slot: slot for slot in decoding})
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
         """A speculating step: each slot feeds its pending token and proposals, and takes tokens while they
-        equal its proposals (:mod:`generate.engine.speculate`)."""
+        equal its proposals (:mod:`generate.engine.speculate`). A lone eager slot feeds only what it
+        proposed, a plain step where that is nothing: no neighbour's bits depend on its step's shape."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
+        if self.slots == 1 and not self.runner.compiled:
+            width = 1 + len(proposals[decoding[0]])
+            if width == 1:
+                return self._decode(decoding)
+            tokens, positions = tokens[:, :width], positions[:, :width]
         logits = self.runner.verify(tokens, positions)  # (slots, width, V)
         width = tokens.shape[1]
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)
-            spec.record(slot, len(proposals[slot]), chosen)
+            spec.record(slot, len(proposals[slot]), chosen, len(request.token_ids))
             if self.running.get(slot) is request:
                 self.cache.lengths[slot] += chosen
         return events

@@ -33,7 +33,7 @@ class Runner:
         progress: Callable[[str], None] | None = None,
         width: int = 1,
     ) -> None:
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.compiled = model, cache, compile
         self._step = partial(forward_step, model, cache)  # (eager; the compiled step takes the same inputs)
         if compile:
             from generate.engine.compiled import compile_step

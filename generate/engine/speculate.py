@@ -18,6 +18,7 @@ from generate.engine.runner import Runner
 from model import GPT, KVCache
 
 DEFAULT_LOOKAHEAD = 4
+MAX_REST = 64  # the longest a slot rests from proposing after its proposals missed (steps)
 
 
 class Proposer(Protocol):
@@ -111,7 +112,8 @@ def make_speculator(
 
 class Speculator:
     """What a speculating engine keeps: the ``proposer``, each slot's lookahead and ``counts`` (default: its
-    own). A slot proposes at most ``lookahead`` tokens a step, and one more than it had accepted last step."""
+    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; after a
+    miss it rests (proposes nothing) for 1, then 2, 4, ... up to :data:`MAX_REST` tokens, then tries one."""
 
     def __init__(
         self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
@@ -119,7 +121,8 @@ class Speculator:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or not 1 <= lookahead <= 16:
             raise ValueError(f"lookahead={lookahead!r} must be an integer in 1..16")
         self.proposer, self.lookahead = proposer, lookahead
-        self.ahead: dict[int, int] = {}  # slot -> how many it proposes next
+        # slot -> (how many it proposes, the output length it rests until, misses in a row)
+        self.ahead: dict[int, tuple[int, int, int]] = {}
         self.counts = Counts() if counts is None else counts
 
     def inputs(
@@ -136,21 +139,27 @@ class Speculator:
         proposals = {}
         for slot, request in running.items():
             left = request.max_new_tokens - len(request.token_ids) - 1
-            k = min(self.ahead.setdefault(slot, self.lookahead), window - 2 - lengths[slot], left)
+            ahead, rests_until, _ = self.ahead.get(slot, (self.lookahead, 0, 0))
+            k = min(ahead if len(request.token_ids) >= rests_until else 0, window - 2 - lengths[slot], left)
             proposed = [int(t) for t in self.proposer.propose(slot, request, k)[:k]] if k > 0 else []
             outside = next((i for i, t in enumerate(proposed) if not 0 <= t < vocab), len(proposed))
             proposals[slot] = proposed[:outside]
             tokens[slot, 1 : 1 + len(proposals[slot])] = torch.tensor(proposals[slot], dtype=torch.long)
         return tokens, positions, proposals
 
-    def record(self, slot: int, proposed: int, chosen: int) -> None:
-        """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead."""
+    def record(self, slot: int, proposed: int, chosen: int, made: int) -> None:
+        """Count a slot's step (``chosen`` tokens from ``proposed`` proposals, ``made`` in all since its
+        prompt) and set its next lookahead."""
         accepted = max(chosen - 1, 0)
         self.counts.proposed += proposed
         self.counts.accepted += accepted
         self.counts.passes += 1
         self.counts.tokens += chosen
-        self.ahead[slot] = min(self.lookahead, accepted + 1)
+        misses = self.ahead.get(slot, (0, 0, 0))[2]
+        if accepted:
+            self.ahead[slot] = (min(self.lookahead, accepted + 1), 0, 0)
+        elif proposed:  # a miss
+            self.ahead[slot] = (1, made + min(2**misses, MAX_REST), misses + 1)
 
     def stats(self) -> dict[str, float]:
         """See :meth:`Counts.stats`."""
