@@ -90,8 +90,7 @@ class CausalAttention(nn.Module):
         With ``kv``, the rows' key and value caches (B, num_heads, positions, head_dim), the new keys and
         values are written at ``positions`` (B, T), and attention reads cache positions ``0 .. span-1``
         (default all; those past a row's positions are masked but must be finite: NaN times 0 is NaN). It sums
-        in fixed chunks (:meth:`decode`) with one new token per row, or with ``step`` several.
-        """
+        in fixed chunks (:meth:`decode`) with one new token per row, or with ``step`` several."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
         if kv is None:
@@ -120,13 +119,11 @@ class CausalAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention for a few queries per row whose bits depend on the row alone, not on the span.
 
-        Every sum runs over a length fixed by the model: scores over ``head_dim``, the softmax's denominator
-        and weighted values within :data:`CHUNK` positions, then the chunks' sums in order. A chunk wholly
-        past a row's positions adds exactly 0, so reading more chunks (for another row) changes no bits; the
-        maximum is exact in any order. In fp32, holding B x nh x T x span x hs products (a step's few queries,
-        not a prompt's). ``q`` is (B, nh, T, hs), ``keys`` and ``values`` (B, nh, span, hs), ``blocked``
-        (B, 1, T, span) True past the query's position; returns (B, nh, T, hs) in the cache's dtype.
-        """
+        ``q`` (B, nh, T, hs), ``keys`` and ``values`` (B, nh, span, hs), ``blocked`` (B, 1, T, span) True
+        past the query's position -> (B, nh, T, hs) in the cache's dtype, via fp32 (B x nh x T x span x hs
+        products held: a step's few queries, not a prompt's). Each sum has a length the model fixes
+        (``head_dim``, :data:`CHUNK` positions, then the chunks in order); a chunk wholly past a row's
+        positions adds exactly 0 and the maximum is exact in any order, so more chunks change no bits."""
         b, nh, t, hs = q.shape
         chunks = keys.shape[2] // CHUNK
         if not torch.compiler.is_compiling() and keys.shape[2] % CHUNK:
