@@ -11,11 +11,9 @@ from model.config import GPTConfig
 class KVCache:
     """Static key/value buffers, one pair per layer (slots, n_head, positions, head_dim); each slot's length.
 
-    A slot is one sequence's row, written at its own positions, so slots hold sequences of different lengths
-    side by side (no padding, no shared offset); the engine keeps ``lengths``. ``positions`` is ``max_len``
-    (at most ``n_positions``) in whole chunks of :data:`model.attention.CHUNK`; past ``max_len`` nothing is
-    written. Layers' buffers are separate tensors: a compiled step takes each as an input, written in place.
-    """
+    A slot is one sequence's row at its own positions (no padding, no shared offset; the engine keeps
+    ``lengths``). Nothing is written past ``max_len``; ``positions`` rounds it up to whole chunks (of
+    :data:`model.attention.CHUNK`). Layers' buffers are separate tensors: a compiled step's inputs."""
 
     def __init__(
         self,
