@@ -62,11 +62,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2-family language model, its submodules named as in checkpoints (``wte``, ``h.N.attn.c_attn``).
-
-    A Hugging Face GPT-2 state dict maps onto it without the ``transformer.`` prefix, its four Conv1D weights
-    transposed; the head is the token embedding (tied), so there is no ``lm_head``.
-    """
+    """A GPT-2-family language model, its submodules named as in checkpoints (``wte``, ``h.N.attn.c_attn``):
+    a Hugging Face GPT-2 state dict maps onto it without the ``transformer.`` prefix, its four Conv1D weights
+    transposed. The head is the token embedding (tied): there is no ``lm_head``."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -123,13 +121,11 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """Next-token logits for ``input_ids`` (B, T): (B, T, vocab_size), or with ``last_only`` (B, 1, V).
 
-        Without a cache: the full-sequence causal forward (positions ``0 .. T-1``), the reference every cached
-        path is tested against. With one, each row's keys and values are written into its slot (row ``i`` in
-        slot ``i``, or the single row in ``slot``) at its ``positions`` (B, T), and each token attends to its
-        row's cached positions below ``span`` (default ``cache.max_len``) up to its own. A ``step`` (a few
-        tokens per row, speculative decoding's; one per row always is one) attends as a decode step does
-        (:meth:`model.CausalAttention.decode`), over ``span`` rounded up to whole chunks.
-        """
+        Without a cache, the full-sequence forward from position 0: the reference for every cached path. With
+        one, row ``i`` writes its keys and values into slot ``i`` (a single row: into ``slot`` if given) at
+        its ``positions`` (B, T), and each token attends to its row's cached positions up to its own (below
+        ``span``, default ``cache.max_len``). A ``step`` (a few tokens per row, as speculation verifies; one
+        per row always is one) attends as :meth:`model.CausalAttention.decode`, ``span`` in whole chunks."""
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
         if cache is None:
