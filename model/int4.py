@@ -1,14 +1,12 @@
 """Int4 weight-only quantization: 4-bit codes in groups along each row, a bf16 scale and zero per group.
 
-Codes 0..15 stand for ``(code - 8) * scale + zero``, the form of stock PyTorch's int4 kernels (CPU
-``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packed layout.
-Rows are padded with zero rows to a multiple of :data:`ROW_BLOCK` (the CPU's wants N a multiple of 16) and
-the padded outputs sliced off: each output column is its own row's sum, so padding changes no real output.
-From :data:`DEQUANT_ROWS` input rows on (a prompt) a CPU product turns blocks of weight rows into bf16 (one
-rounding each) for a bf16 product instead: the kernel is built for few rows (a compiled step keeps the kernel,
-whose weights it prepacks). The way is chosen by shape.
-The tied embedding also keeps its codes plainly, two to a byte, for a lookup that reads only its rows.
-"""
+Codes 0..15 stand for ``(code - 8) * scale + zero``, as in stock PyTorch's int4 kernels (CPU
+``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packing. Rows are
+padded with zero rows to whole :data:`ROW_BLOCK` (the CPU's wants N a multiple of 16) and the extra outputs
+sliced off (each output is its own row's sum). From :data:`DEQUANT_ROWS` input rows (a prompt; the kernel is
+built for few) a CPU product turns blocks of weight rows into bf16 (rounded once) for a bf16 product, but not
+in a compiled step, which prepacks the kernel's weights: the way follows from shapes. The tied embedding also
+keeps its codes plainly, two to a byte, for a lookup that reads only its rows."""
 
 from __future__ import annotations
 
@@ -44,11 +42,8 @@ def check_group_size(group_size: int, width: int | None = None) -> None:
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit codes per group of ``group_size`` columns: ``(codes, scales_zeros)``, uint8 (N, K / 2)
-    two a byte (even column in the low nibble), and bf16 (K / group_size, N, 2), the kernels' layout.
-
-    Scale and zero are rounded to bf16 first, the codes chosen against the rounded values. Rows are
-    independent: quantizing a matrix in row pieces gives the same result.
-    """
+    two a byte (even column in the low nibble), and bf16 (K / group_size, N, 2), the kernels' layout. Codes
+    are chosen against scale and zero rounded to bf16; rows are independent (row pieces quantize alike)."""
     n, k = weight.shape
     check_group_size(group_size, k)
     codes = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
