@@ -1,8 +1,7 @@
 """The engine: slots that requests join and leave, one decode step at a time for all of them.
 
 Prompts are prefilled alone, cut at fixed positions, and every step computes every slot with fixed shapes, so
-a request's bits do not depend on who shares the engine, when or for how long (docs/engine.md says why).
-"""
+a request's bits do not depend on who shares the engine, when or for how long (docs/engine.md says why)."""
 
 from __future__ import annotations
 
@@ -47,11 +46,9 @@ class Engine:
         compile: run the decode step compiled; ``progress`` is then called with lines of text as it goes.
         speculate: check proposed tokens in each step (:mod:`generate.engine.speculate`).
 
-    Whatever goes wrong with one request (non-finite logits, its sampling or text failing) ends it alone
-    with ``finish_reason`` ``"error"`` (``error`` says why); the other rows go on as if it had not been there.
-    ValueError for ``slots`` or ``max_len`` out of range, MemoryError where the cache and working memory
-    exceed what the device has free (checked first).
-    """
+    A request whose logits are not finite, or whose sampling or text fails, ends alone (``finish_reason``
+    ``"error"``, ``error`` says why); the others go on as if it had not been there. ValueError for ``slots``
+    or ``max_len`` out of range; MemoryError (checked first) where cache and working memory do not fit."""
 
     def __init__(
         self,
@@ -120,9 +117,8 @@ class Engine:
     @torch.inference_mode()
     @said_plainly(OUT_OF_MEMORY_ADVICE)
     def step(self) -> list[tuple[Request, int]]:
-        """Admit waiting requests into free slots, then advance every running request by a token (more
-        where proposals are accepted); return (request, token) for each token chosen, in slot order.
-        MemoryError if the allocator ran out of memory (said plainly)."""
+        """Admit waiting requests into free slots, then advance each running one by a token (or more,
+        accepting proposals): (request, token) per token chosen, in slot order. Out of memory: MemoryError."""
         free = [s for s in range(self.slots) if s not in self.running]
         for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
@@ -199,9 +195,8 @@ class Engine:
         with ``proposals`` goes on to the rows after its own while each token equals the proposal."""
         events = []
         # Every row at once: a finite sum means finite logits (one reduction; an overflowed sum is checked
-        # exactly), and argmax has no order to differ in. Each row starts at an aligned address, as a lone
-        # request's does: a GPU's reductions sum in another order on a row off its vector alignment.
-        width = -(-self.vocab // 64) * 64
+        # exactly), and argmax has no order to differ in.
+        width = -(-self.vocab // 64) * 64  # rows aligned as a lone request's: a GPU's sum order depends on it
         block = logits.new_empty(len(logits), width, dtype=torch.float32)[:, : self.vocab]
         block.copy_(logits[:, : self.vocab])
         finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
