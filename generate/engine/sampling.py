@@ -1,11 +1,9 @@
 """Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice.
 
-A sampled token is a fixed function of the row's logits, its request's seed and the token's position (one
-uniform number, :func:`uniform` of the two, and numbers hashed from it; no generator carries state), so
-speculative decoding's verification chooses exactly as a plain step. Top-p is drawn by rejection
-(:func:`draw`): each kept token has its filtered-softmax probability (to float32's rounding), and nothing
-is sorted.
-"""
+A sampled token is a fixed function of the row's logits, its request's seed and the token's position
+(:func:`uniform` of the two, and numbers hashed from that; no generator carries state), so speculation's
+verification chooses exactly as a plain step. Top-p draws by rejection (:func:`draw`), sorting nothing: each
+kept token has its filtered-softmax probability (to float32's rounding)."""
 
 from __future__ import annotations
 
@@ -54,14 +52,12 @@ _VALID = {  # each field: whether a finite value is in range, and what it must b
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen from the logits, in this order (ValueError for a value out of range):
-    ``repetition_penalty`` divides the positive logits of tokens already in the prompt or output and
-    multiplies the negative ones (CTRL / Hugging Face); ``presence_penalty`` and ``frequency_penalty`` are
-    subtracted from the logit of a token in the output, once / once per occurrence; ``temperature`` divides
-    the logits (0: greedy, the argmax); ``top_k`` keeps that many most likely tokens; ``top_p``, the fewest
-    most likely whose probability sum reaches it; ``min_p`` drops tokens less likely than it times the most
-    likely token's probability. The defaults disable each (temperature 1 samples the model's distribution).
-    """
+    """How the next token is chosen from the logits, in this order (ValueError for a value out of range; the
+    defaults disable each): ``repetition_penalty`` divides the positive logits of tokens in the prompt or
+    output and multiplies the negative ones (CTRL / Hugging Face); ``presence_penalty`` and
+    ``frequency_penalty`` are subtracted from an output token's logit, once / per occurrence; ``temperature``
+    divides the logits (0: greedy); ``top_k`` keeps that many most likely tokens, ``top_p`` the fewest most
+    likely whose probabilities add up to it, ``min_p`` those at least it times the top probability."""
 
     temperature: float = 1.0
     top_k: int = 0
