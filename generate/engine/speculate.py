@@ -1,10 +1,8 @@
 """Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md).
 
-A step feeds every slot its last token, then its proposals (padded to ``1 + lookahead``); the engine chooses
-at each position as in a plain step while the chosen token equals the proposal, so whatever is proposed, the
-tokens are those of no proposals. The step's shape is not a plain step's: logits may differ from a plain
-engine's in the last bits (a near-tie can go another way).
-"""
+A step feeds each slot its last token, then its proposals (padded to ``1 + lookahead``); the engine chooses
+as in a plain step while each choice equals the proposal, so whatever is proposed, the tokens are those of no
+proposals. The step's shape is not a plain step's: its logits' last bits (and so a near-tie) may differ."""
 
 from __future__ import annotations
 
