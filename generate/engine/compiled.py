@@ -1,7 +1,6 @@
 """The compiled decode step (docs/engine.md). On the CPU an AOTInductor library, exported over a KV cache of
 the whole window with the number of chunks it reads as its one dynamic size, kept on disk under a digest of
-all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s ``reduce-overhead``, in each process.
-"""
+all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s ``reduce-overhead``, in each process."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ log = logging.getLogger("gptgen")
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
-# Inductor's settings on the CPU: the weights frozen and prepacked for one kernel per product, so nothing is
-# timed: its C++ GEMM template where the CPU has AVX-512 and a step has at most TEMPLATE_ROWS rows (slots x
-# width), else ATen's kernels (the rule and the Zen 4 timings behind it: docs/engine.md).
+# Inductor on the CPU: weights frozen and prepacked for one kernel per product, so nothing is timed: its C++
+# GEMM template with AVX-512 and at most TEMPLATE_ROWS rows (slots x width), else ATen's (docs/engine.md).
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
 CPU_OPTIONS = {"freezing": True, "max_autotune": True}
