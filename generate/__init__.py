@@ -1,8 +1,7 @@
 """generate: the runtime (sampling, the decode loop), the Python API and the ``generate`` command.
 
 Public names are imported on first use (PEP 562): ``import generate`` and the command's startup do not pay
-for torch until something needs it, so Ctrl-C in that window exits cleanly (see ``generate.tools.cli``).
-"""
+for torch until something needs it, so Ctrl-C in that window exits cleanly (see ``generate.tools.cli``)."""
 
 from __future__ import annotations
 
