@@ -153,8 +153,7 @@ class Engine:
         return self._choose(logits, {slot: slot for slot in decoding})
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        """A speculating step: each slot feeds its pending token and proposals, and takes tokens while they
-        equal its proposals (:mod:`generate.engine.speculate`). A lone eager slot feeds only what it
+        """A speculating step (:mod:`generate.engine.speculate`). A lone eager slot feeds only what it
         proposed, a plain step where that is nothing: no neighbour's bits depend on its step's shape."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
@@ -218,8 +217,7 @@ class Engine:
         return events
 
     def _choose_row(self, slot: int, row: torch.Tensor, finite: bool, chosen: int | None) -> int | None:
-        """The slot's next token from its logits ``row`` (recorded in its request), or None where that
-        request failed (ended with an error, its slot freed)."""
+        """The slot's next token from its ``row`` of logits (recorded), or None where its request failed."""
         request = self.running[slot]
         if not finite and not torch.isfinite(row).all():
             self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
