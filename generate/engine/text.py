@@ -10,9 +10,8 @@ class TextTracker:
     """The text of one row, built from ``token_bytes`` (token id -> bytes) token by token.
 
     A character split across tokens appears once all its bytes have arrived (invalid bytes become U+FFFD, as
-    ``tiktoken``'s ``decode`` does). The text is cut where the first of the ``stop`` strings (non-empty)
-    begins. :meth:`take` holds back a tail that could still grow into a stop string, so the concatenated
-    stream equals the final text exactly."""
+    in ``tiktoken``'s ``decode``); the text is cut where the first ``stop`` string (non-empty) begins, and
+    :meth:`take` holds back a tail that could still grow into one, so the stream adds up to the final text."""
 
     def __init__(self, token_bytes: Callable[[int], bytes], stop: Sequence[str] = ()) -> None:
         self._token_bytes, self._stop = token_bytes, tuple(stop)
