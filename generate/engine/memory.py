@@ -15,9 +15,8 @@ CGROUP_DIR = Path("/sys/fs/cgroup")  # cgroup v2's files (v1 keeps its memory fi
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes that can still be allocated on ``device``, or None if unknown: on the CPU, the least of Linux's
-    MemAvailable and the room under this process's address-space limit (``ulimit -v``) and its container's
-    memory limit (cgroup v2 or v1), which an allocation may run into before the machine's free memory."""
+    """Bytes ``device`` can still allocate (None if unknown). CPU: the least of MemAvailable and the rooms
+    under this process's ``ulimit -v`` and its container's limit (cgroup v2 or v1); each may bind first."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
