@@ -18,8 +18,7 @@ DEFAULT_CACHE_MAX_GB = 8.0
 
 
 def cache_dir() -> Path:
-    """Where compiled steps are kept: ``$GPTGEN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/gptgen``
-    (default ``~/.cache/gptgen``)."""
+    """Compiled steps' home: ``$GPTGEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/gptgen`` (``~/.cache/gptgen``)."""
     if os.environ.get("GPTGEN_CACHE_DIR"):
         return Path(os.environ["GPTGEN_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptgen"
@@ -91,9 +90,8 @@ def constants_span(path: Path) -> tuple[int, int]:
 
 
 def release_constants_pages(path: Path) -> int:
-    """Drop the loaded library's own pages of its weights, which its runner has copied (AOTInductor copies
-    them at load); mapped, they would count in this process's memory for nothing. They are read-only file
-    pages, read from the file again if ever touched. Returns the bytes released (0 where none)."""
+    """Drop the loaded library's pages of its weights, which its runner copied at load: read-only file pages
+    (read again if touched) counting in this process's memory for nothing. Returns the bytes released."""
     try:
         start, end = constants_span(path)
         low, high = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
