@@ -54,8 +54,7 @@ class Runner:
         return self.verify(tokens.clone()[:, None], positions.clone()[:, None])  # (inference tensors)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Several tokens for every slot at consecutive positions, attending as a decode step does:
-        (slots, T) ids and positions -> (slots, T, V) logits."""
+        """(slots, T) ids at consecutive positions -> (slots, T, V) logits, attending as in a decode step."""
         device = self.model.device
         return self._step(tokens.to(device), positions.to(device), self._span(positions))
 
