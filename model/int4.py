@@ -163,8 +163,7 @@ class Int4Linear(nn.Module):
 
 
 class Int4TiedEmbedding(nn.Module):
-    """A quantized :class:`TiedEmbedding` from :func:`quantize_groups`' output: the head's product runs in the
-    int4 kernel, the lookup dequantizes the rows it needs from the plain codes."""
+    """An int4 :class:`TiedEmbedding` from :func:`quantize_groups`' output; its head runs the int4 kernel."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> None:
         super().__init__()
