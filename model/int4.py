@@ -163,7 +163,7 @@ class Int4Linear(nn.Module):
 
 
 class Int4TiedEmbedding(nn.Module):
-    """An int4 :class:`TiedEmbedding` from :func:`quantize_groups`' output; its head runs the int4 kernel."""
+    """An int4 :class:`TiedEmbedding` from :func:`quantize_groups`' output; its head is :func:`int4_mm`."""
 
     def __init__(self, codes: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> None:
         super().__init__()

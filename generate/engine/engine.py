@@ -143,14 +143,11 @@ class Engine:
         if decoding and self.speculator is not None:
             events += self._verify(decoding)
         elif decoding:
-            events += self._decode(decoding)
+            logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
+            for slot in decoding:
+                self.cache.lengths[slot] += 1
+            events += self._choose(logits, {slot: slot for slot in decoding})
         return events
-
-    def _decode(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        logits = self.runner.decode(self._pending, torch.tensor(self.cache.lengths))
-        for slot in decoding:
-            self.cache.lengths[slot] += 1
-        return self._choose(logits, {slot: slot for slot in decoding})
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
         """A speculating step (:mod:`generate.engine.speculate`). A lone eager slot feeds only what it
@@ -160,11 +157,12 @@ class Engine:
                                                    self.cache.max_len, self.vocab)  # fmt: skip
         if self.slots == 1 and not self.runner.compiled:
             width = 1 + len(proposals[decoding[0]])
-            if width == 1:
-                return self._decode(decoding)
             tokens, positions = tokens[:, :width], positions[:, :width]
-        logits = self.runner.verify(tokens, positions)  # (slots, width, V)
         width = tokens.shape[1]
+        if width == 1:  # nothing proposed: a plain step
+            logits = self.runner.decode(tokens[:, 0], positions[:, 0])[:, None]
+        else:
+            logits = self.runner.verify(tokens, positions)  # (slots, width, V)
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)
