@@ -155,7 +155,8 @@ class Engine:
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
-        if self.slots == 1 and not self.runner.compiled:
+        narrow = self.slots == 1 and not self.runner.compiled  # (else the width is fixed: proposing is free)
+        if narrow:
             width = 1 + len(proposals[decoding[0]])
             tokens, positions = tokens[:, :width], positions[:, :width]
         width = tokens.shape[1]
@@ -166,7 +167,7 @@ class Engine:
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)
-            spec.record(slot, len(proposals[slot]), chosen, len(request.token_ids))
+            spec.record(slot, len(proposals[slot]), chosen, len(request.token_ids) if narrow else None)
             if self.running.get(slot) is request:
                 self.cache.lengths[slot] += chosen
         return events

@@ -110,8 +110,9 @@ def make_speculator(
 
 class Speculator:
     """What a speculating engine keeps: the ``proposer``, each slot's lookahead and ``counts`` (default: its
-    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; after a
-    miss it rests (proposes nothing) for 1, then 2, 4, ... up to :data:`MAX_REST` tokens, then tries one."""
+    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; where a
+    step costs what it proposes, after a miss it rests (proposes nothing) for 1, then 2, 4, ... up to
+    :data:`MAX_REST` tokens, then tries one."""
 
     def __init__(
         self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
@@ -145,9 +146,9 @@ class Speculator:
             tokens[slot, 1 : 1 + len(proposals[slot])] = torch.tensor(proposals[slot], dtype=torch.long)
         return tokens, positions, proposals
 
-    def record(self, slot: int, proposed: int, chosen: int, made: int) -> None:
-        """Count a slot's step (``chosen`` tokens from ``proposed`` proposals, ``made`` in all since its
-        prompt) and set its next lookahead."""
+    def record(self, slot: int, proposed: int, chosen: int, made: int | None) -> None:
+        """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead;
+        ``made``: the request's output length where a step costs what it proposes (a miss rests), or None."""
         accepted = max(chosen - 1, 0)
         self.counts.proposed += proposed
         self.counts.accepted += accepted
@@ -156,8 +157,8 @@ class Speculator:
         misses = self.ahead.get(slot, (0, 0, 0))[2]
         if accepted:
             self.ahead[slot] = (min(self.lookahead, accepted + 1), 0, 0)
-        elif proposed:  # a miss
-            self.ahead[slot] = (1, made + min(2**misses, MAX_REST), misses + 1)
+        elif proposed:  # a miss; where proposing costs, a rest
+            self.ahead[slot] = (1, 0 if made is None else made + min(2**misses, MAX_REST), misses + 1)
 
     def stats(self) -> dict[str, float]:
         """See :meth:`Counts.stats`."""
