@@ -7,6 +7,8 @@ where nothing is proposed), the tokens are the same and the log-probabilities ag
 tolerance.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -234,20 +236,23 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert propose([7, 7], k=5) == [7]  # the continuation may be short
 
 
-def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones(model):
+# 10 rows; 3 rows (a size the GEMM template takes for a decode step) over 2 chunks (a span that varies)
+@pytest.mark.parametrize(("slots", "lookahead", "window"), [(2, 4, 64), (1, 2, 128)])
+def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones(slots, lookahead, window):
     # The CPU's AOTInductor library of one step of (slots, 1 + lookahead), compiled once (the second engine
     # loads it): proposals or none, the same bits; against eager, the same tokens.
+    model = make_model(dataclasses.replace(CONFIG, n_positions=window), seed=3, std=0.3)
     ps = prompts(16, seed=8)
     compiled = {}
     for name, proposer in (("none", NoProposals()), ("ngram", NgramProposer())):
-        engine = Engine(model, slots=2, speculate=Speculator(proposer), compile=True)
+        engine = Engine(model, slots=slots, speculate=Speculator(proposer, lookahead), compile=True)
         requests = [engine.add(Request(p, SEEDED, max_new_tokens=20, seed=i, eos_id=None, logprobs=True))
                     for i, p in enumerate(ps)]  # fmt: skip
         for _ in engine.run():
             pass
         compiled[name] = results(requests)
     assert compiled["ngram"] == compiled["none"]  # the same compiled step: bit for bit
-    eager = run(model, ps, SEEDED, Speculator(NgramProposer()), slots=2, max_new_tokens=20)
+    eager = run(model, ps, SEEDED, Speculator(NgramProposer(), lookahead), slots=slots, max_new_tokens=20)
     for (tokens, logprobs, _), r in zip(compiled["ngram"], eager, strict=True):
         assert tokens == r.token_ids
         assert max(abs(x - y) for x, y in zip(logprobs, r.logprobs_list, strict=True)) < 1e-5
