@@ -26,7 +26,7 @@ ROW_BLOCK = 64
 WEIGHTS_PER_PASS = 2**20
 # CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
 INNER_K_TILES = 8
-DEQUANT_ROWS = 64  # input rows from which a CPU product runs in bf16 (about where the two ways cost the same)
+DEQUANT_ROWS = 256  # input rows from which a CPU product runs in bf16 (about where both ways cost the same)
 
 
 def check_group_size(group_size: int, width: int | None = None) -> None:

@@ -61,7 +61,7 @@ def test_the_kernel_equals_the_dequantized_product_and_padding_changes_no_output
     assert ((y.float() - reference).abs() <= 2 * 2**-8 * reference.abs() + 1e-2).all()
 
 
-@pytest.mark.parametrize("rows", [1, 63, 64, 130])  # the int4 kernel below DEQUANT_ROWS, bf16 from it on
+@pytest.mark.parametrize("rows", [1, 255, 256, 300])  # the int4 kernel below DEQUANT_ROWS, bf16 from it on
 def test_int4_products_of_few_and_many_rows_equal_the_dequantized_product(rows, monkeypatch):
     monkeypatch.setattr(int4, "WEIGHTS_PER_PASS", 64 * 256)  # 64 weight rows a pass: 4 passes, the last short
     torch.manual_seed(rows)
