@@ -103,8 +103,8 @@ def _cpu_layout() -> tuple[int, slice, slice]:
     """The CPU packing's rows per block (by the CPU's vector width), and the block's rows that the low and
     the high nibbles of its bytes along a column hold: read off packing rows whose codes are their numbers."""
 
-    def packed(codes: torch.Tensor) -> torch.Tensor:  # (ROW_BLOCK, 2) -> flat bytes
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 1).long()
+    def packed(codes: torch.Tensor) -> torch.Tensor:  # (ROW_BLOCK, 2) -> flat bytes, as pack() packs them
+        return _pack_piece((codes[:, :1] | codes[:, 1:] << 4).to(torch.uint8)).flatten().long()
 
     rows = torch.arange(ROW_BLOCK)[:, None].expand(-1, 2)
     half = int(packed(torch.arange(2).expand(ROW_BLOCK, 2)).flatten().nonzero()[0])  # where column 1 starts
