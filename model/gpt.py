@@ -118,6 +118,7 @@ class GPT(nn.Module):
         span: int | None = None,
         last_only: bool = False,
         step: bool = False,
+        embedded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Next-token logits for ``input_ids`` (B, T): (B, T, vocab_size), or with ``last_only`` (B, 1, V).
 
@@ -125,22 +126,27 @@ class GPT(nn.Module):
         one, row ``i`` writes its keys and values into slot ``i`` (a single row: into ``slot`` if given) at
         its ``positions`` (B, T), and each token attends to its row's cached positions up to its own (below
         ``span``, default ``cache.max_len``). A ``step`` (a few tokens per row, as speculation verifies; one
-        per row always is one) attends as :meth:`model.CausalAttention.decode`, ``span`` in whole chunks."""
+        per row always is one) attends as :meth:`model.CausalAttention.decode`, ``span`` in whole chunks.
+        ``embedded``: the blocks' input (:meth:`embed` of these ids and positions), if already computed."""
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
         if cache is None:
-            if positions is not None or slot is not None or span is not None:
-                raise ValueError("positions, slot and span apply to a cached forward; pass cache= too")
+            if positions is not None or slot is not None or span is not None or embedded is not None:
+                raise ValueError("positions, slot, span and embedded need a cache; pass cache= too")
             x = self._reference(input_ids)
         else:
             step = step or input_ids.shape[1] == 1
             span = self._check_cached(input_ids, positions, cache, slot, span)
             span = -(-span // CHUNK) * CHUNK if step else span
-            x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+            x = self.embed(input_ids, positions) if embedded is None else embedded
             for i, block in enumerate(self.h):
                 x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, step=step)
         x = x[:, -1:] if last_only else x
         return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The blocks' input: token plus position embeddings, (B, T) ids -> (B, T, n_embd)."""
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
 
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The reference forward up to the head, (B, T, n_embd): ``self.wte.project`` of it is the logits."""
@@ -169,7 +175,7 @@ class GPT(nn.Module):
                 f"shorten the input to at most {self.config.n_positions} tokens"
             )
         positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
-        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (B, T, C)
+        x = self.embed(input_ids, positions)
         for i, block in enumerate(self.h):
             if attention is not None and i in attention:
                 attention[i] = block.attn.attention_weights(block.ln_1(x))

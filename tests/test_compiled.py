@@ -47,6 +47,9 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
     assert lines[-1].startswith("decode step compiled in")
     assert engine.cache.max_len == config.n_positions  # the whole window, whatever max_len asked
     assert path.stat().st_size > 10_000
+    # The tokens come embedded: the library holds the head's weights, not a plain copy of the embedding table.
+    constants = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1).get_constant_names_to_original_fqns()
+    assert "model.ln_f.weight" in constants.values() and "model.wte.weight" not in constants.values()
 
     def refuse(*args):
         raise AssertionError("compiled again although the library is on disk")

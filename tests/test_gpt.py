@@ -72,7 +72,7 @@ def test_input_errors_name_the_limit():
         model(ids, positions=pos + 5, cache=cache)
     with pytest.raises(ValueError, match=r"position 5 is outside 0\.\.4"):
         model(ids, positions=pos + 2, cache=cache, span=5)
-    with pytest.raises(ValueError, match="positions, slot and span apply to a cached forward"):
+    with pytest.raises(ValueError, match="positions, slot, span and embedded need a cache"):
         model(ids, positions=pos)
 
 

@@ -76,18 +76,18 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
 
 
 class _Step(torch.nn.Module):
-    """The step to export: the cache's buffers are inputs, written in place; the length of ``chunks`` (a
-    tensor of no elements) is how many chunks of cache positions attention reads."""
+    """The step to export. Its inputs: the tokens (for their shape), their positions, ``chunks`` (its length,
+    no elements, is how many chunks of cache positions attention reads), the tokens embedded (``x``, from
+    :meth:`model.GPT.embed`, so the library keeps no plain copy of the embedding table), the cache's buffers
+    (written in place)."""
 
     def __init__(self, model: GPT) -> None:
         super().__init__()
         self.model = model
 
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, chunks: torch.Tensor, *kv: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, tokens, positions, chunks, x, *kv) -> torch.Tensor:
         cache = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
-        return runner.forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK)
+        return runner.forward_step(self.model, cache, tokens, positions, chunks.shape[0] * CHUNK, x)
 
 
 @contextlib.contextmanager
@@ -133,9 +133,10 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         most = cache.k[0].shape[2] // CHUNK  # (the cache holds whole chunks)
         tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
         count = torch.empty(min(2, most), 0, device=model.device)  # the chunk count: a size, no elements
-        inputs = (tokens, torch.zeros_like(tokens), count, *cache.k, *cache.v)
+        embedded = model.embed(tokens, torch.zeros_like(tokens))
+        inputs = (tokens, torch.zeros_like(tokens), count, embedded, *cache.k, *cache.v)
         chunks = {0: torch.export.Dim("chunks", min=1, max=most)} if most > 1 else None
-        dynamic = (None, None, chunks, (None,) * (2 * len(cache.k)))
+        dynamic = (None, None, chunks, None, (None,) * (2 * len(cache.k)))
         exported = torch.export.export(_Step(model), inputs, dynamic_shapes=dynamic)
         package = Path(work) / "step.pt2"
         gemm = "CPP" if AVX512 and width == 1 and cache.slots <= TEMPLATE_ROWS else "ATEN"
@@ -176,7 +177,8 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
     sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
-    return lambda ids, positions, span: step(ids, positions, sizes[-(-span // CHUNK)], *cache.k, *cache.v)
+    kv = (*cache.k, *cache.v)
+    return lambda ids, pos, span: step(ids, pos, sizes[-(-span // CHUNK)], model.embed(ids, pos), *kv)
 
 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:

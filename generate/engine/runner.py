@@ -11,13 +11,14 @@ import torch
 from model import GPT, KVCache
 
 
-def forward_step(
-    model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int
-) -> torch.Tensor:
-    """A step's forward: the last position's logits for one token per row, every position's for more."""
-    if tokens.shape[1] == 1:
-        return model(tokens, positions=positions, cache=cache, span=span, last_only=True)[:, -1]
-    return model(tokens, positions=positions, cache=cache, span=span, step=True)
+def forward_step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int,
+                 embedded: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """A step's forward: the last position's logits for one token per row, every position's for more
+    (``embedded``: the tokens' :meth:`model.GPT.embed`, if computed already)."""
+    one = tokens.shape[1] == 1
+    logits = model(tokens, positions=positions, cache=cache, span=span, last_only=one, step=True,
+                   embedded=embedded)  # fmt: skip
+    return logits[:, -1] if one else logits
 
 
 class Runner:
