@@ -206,5 +206,4 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
 
 def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The compiled step of ``model`` over ``cache`` (see :data:`Step`), the CPU's or ``torch.compile``'s."""
-    step = packaged_step if model.device.type == "cpu" else jit_step
-    return step(model, cache, progress, width)
+    return (packaged_step if model.device.type == "cpu" else jit_step)(model, cache, progress, width)
