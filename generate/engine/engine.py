@@ -160,10 +160,9 @@ class Engine:
             width = 1 + len(proposals[decoding[0]])
             tokens, positions = tokens[:, :width], positions[:, :width]
         width = tokens.shape[1]
-        if width == 1:  # nothing proposed: a plain step
-            logits = self.runner.decode(tokens[:, 0], positions[:, 0])[:, None]
-        else:
-            logits = self.runner.verify(tokens, positions)  # (slots, width, V)
+        # (slots, width, V); nothing proposed (a width of 1): a plain step
+        logits = (self.runner.verify(tokens, positions) if width > 1
+                  else self.runner.decode(tokens[:, 0], positions[:, 0])[:, None])  # fmt: skip
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)
@@ -248,8 +247,7 @@ class Engine:
         request = self.running.pop(slot)
         self._state.pop(request, None)
         self._prefilling.pop(slot, None)
-        self._pending[slot] = 0
-        self.cache.lengths[slot] = 0
+        self._pending[slot] = self.cache.lengths[slot] = 0
         if self.speculator is not None:
             self.speculator.ahead.pop(slot, None)
         return request
