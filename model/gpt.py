@@ -141,8 +141,7 @@ class GPT(nn.Module):
             x = self.embed(input_ids, positions) if embedded is None else embedded
             for i, block in enumerate(self.h):
                 x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, step=step)
-        x = x[:, -1:] if last_only else x
-        return self.wte.project(self.ln_f(x))  # the tied output head, (B, T, V)
+        return self.wte.project(self.ln_f(x[:, -1:] if last_only else x))  # the tied output head, (B, T, V)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The blocks' input: token plus position embeddings, (B, T) ids -> (B, T, n_embd)."""
