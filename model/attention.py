@@ -53,8 +53,7 @@ class CausalAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        q, k, v = self.c_attn(x).split(self.d_out, dim=2)
-        # (B, T, C) -> (B, nh, T, hs)
+        q, k, v = self.c_attn(x).split(self.d_out, dim=2)  # (B, T, C) each, returned as (B, nh, T, hs)
         return tuple(z.view(b, t, self.num_heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
 
     def _blocked(self, t: int) -> torch.Tensor:
@@ -103,8 +102,7 @@ class CausalAttention(nn.Module):
             k_buf, v_buf = kv
             # k_buf[rows, :, positions] is (B, T, nh, hs): the advanced indices come first.
             rows = torch.arange(b, device=x.device)[:, None]
-            k_buf[rows, :, positions] = k.transpose(1, 2)
-            v_buf[rows, :, positions] = v.transpose(1, 2)
+            k_buf[rows, :, positions], v_buf[rows, :, positions] = k.transpose(1, 2), v.transpose(1, 2)
             span = k_buf.shape[2] if span is None else span
             keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
             blocked = torch.arange(span, device=x.device) > positions[:, None, :, None]  # (B, 1, T, span)
