@@ -22,8 +22,7 @@ GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 # Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
 ROW_BLOCK = 64
-# Weights quantized or packed per pass: bounds the temporaries (4 MiB each) while loading.
-WEIGHTS_PER_PASS = 2**20
+WEIGHTS_PER_PASS = 2**20  # quantized or packed per pass: bounds the temporaries (4 MiB each) while loading
 # CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
 INNER_K_TILES = 8
 DEQUANT_ROWS = 256  # input rows from which a CPU product runs in bf16 (about where both ways cost the same)
@@ -131,9 +130,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros
     rows = as_rows(x)
     if packed.device.type == "cpu" and rows.shape[0] >= DEQUANT_ROWS and not torch.compiler.is_compiling():
         step = _rows_per_pass(rows.shape[1])
-        parts = range(0, n, step)
         y = torch.cat([rows @ _dequantized_t(packed[b : b + step], group_size, scales_zeros[:, b : b + step])
-                       for b in parts], dim=-1)  # fmt: skip
+                       for b in range(0, n, step)], dim=-1)  # fmt: skip
     else:
         ops = torch.ops.aten
         mm = ops._weight_int4pack_mm if packed.device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
