@@ -76,10 +76,9 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
 
 
 class _Step(torch.nn.Module):
-    """The step to export. Its inputs: the tokens (for their shape), their positions, ``chunks`` (its length,
-    no elements, is how many chunks of cache positions attention reads), the tokens embedded (``x``, from
-    :meth:`model.GPT.embed`, so the library keeps no plain copy of the embedding table), the cache's buffers
-    (written in place)."""
+    """The step to export. Inputs: the tokens (for their shape), their positions, ``chunks`` (no elements: its
+    length counts the chunks of cache positions attention reads), ``x`` (the tokens' :meth:`model.GPT.embed`,
+    so the library keeps no plain copy of the embedding table), the cache's buffers (written in place)."""
 
     def __init__(self, model: GPT) -> None:
         super().__init__()
