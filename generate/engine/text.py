@@ -44,6 +44,5 @@ class TextTracker:
         if not (final or self.stopped):  # less the longest tail that is a proper prefix of a stop string
             tails = range(min(self._longest - 1, len(self.text)), 0, -1)
             end -= next((k for k in tails if any(s.startswith(self.text[-k:]) for s in self._stop)), 0)
-        piece = self.text[self._sent : end]
-        self._sent = max(self._sent, end)
+        piece, self._sent = self.text[self._sent : end], max(self._sent, end)
         return piece
