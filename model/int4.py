@@ -93,8 +93,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_scales(scales_zeros: torch.Tensor) -> torch.Tensor:
-    n = scales_zeros.shape[1]
-    return F.pad(scales_zeros, (0, 0, 0, _padded(n) - n))
+    return F.pad(scales_zeros, (0, 0, 0, _padded(scales_zeros.shape[1]) - scales_zeros.shape[1]))
 
 
 @functools.cache
