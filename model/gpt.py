@@ -173,8 +173,7 @@ class GPT(nn.Module):
                 f"{t} positions exceed the model's context window n_positions={self.config.n_positions}; "
                 f"shorten the input to at most {self.config.n_positions} tokens"
             )
-        positions = torch.arange(t, device=input_ids.device)[None, :]  # (1, T)
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, torch.arange(t, device=input_ids.device)[None, :])  # positions (1, T)
         for i, block in enumerate(self.h):
             if attention is not None and i in attention:
                 attention[i] = block.attn.attention_weights(block.ln_1(x))
