@@ -138,6 +138,9 @@ class GPT(nn.Module):
             step = step or input_ids.shape[1] == 1
             span = self._check_cached(input_ids, positions, cache, slot, span)
             span = -(-span // CHUNK) * CHUNK if step else span
+            if embedded is not None and tuple(embedded.shape) != (*input_ids.shape, self.config.n_embd):
+                want = (*input_ids.shape, self.config.n_embd)
+                raise ValueError(f"embedded has shape {tuple(embedded.shape)}; pass GPT.embed's, {want}")
             x = self.embed(input_ids, positions) if embedded is None else embedded
             for i, block in enumerate(self.h):
                 x = block(x, positions=positions, kv=cache.layer(i, slot), span=span, step=step)

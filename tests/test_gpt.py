@@ -74,6 +74,13 @@ def test_input_errors_name_the_limit():
         model(ids, positions=pos + 2, cache=cache, span=5)
     with pytest.raises(ValueError, match="positions, slot, span and embedded need a cache"):
         model(ids, positions=pos)
+    with pytest.raises(ValueError, match=r"embedded has shape \(2, 3, 5\); pass GPT.embed's"):
+        model(ids, positions=pos, cache=cache, embedded=torch.zeros(2, 3, 5))
+    # embedded= is the blocks' input as given: GPT.embed's gives the plain cached forward's logits bitwise
+    tokens = torch.randint(0, config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    plain = model(tokens, positions=pos, cache=KVCache(config, 2, 8))
+    given = model(tokens, positions=pos, cache=KVCache(config, 2, 8), embedded=model.embed(tokens, pos))
+    assert torch.equal(plain, given)
 
 
 def test_layers_share_one_causal_mask(tmp_path):
