@@ -251,3 +251,28 @@ def test_a_request_whose_sampling_fails_ends_alone_with_an_error():
     assert ok.token_ids == alone.token_ids and ok.error is None
     with pytest.raises(GenerationError, match="KeyError"):
         raise_errors([ok, bad])
+
+
+@pytest.mark.parametrize(("slots", "chunks"), [(1, [(0, 50)]), (2, [(0, 32), (32, 50)])])
+def test_a_lone_slot_prefills_its_prompt_in_one_pass_several_slots_in_chunks(monkeypatch, slots, chunks):
+    # With neighbours a step prefills at most PREFILL_CHUNK positions (cut at its multiples); a lone slot
+    # stalls no one, so its prompt goes in one pass. Either way greedy equals recomputation.
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
+
+    config = TINY_CONFIGS["2x2x32"]
+    model, seen = make_model(config, seed=3, std=0.3), []
+    engine = Engine(model, slots=slots)
+    prefill = engine.runner.prefill
+
+    def recorded(tokens, slot, start=0):
+        seen.append((start, start + len(tokens)))
+        return prefill(tokens, slot, start)
+
+    monkeypatch.setattr(engine.runner, "prefill", recorded)
+    prompt = random_prompts(config.vocab_size, [50], 3)[0]
+    request = engine.add(Request(prompt, GREEDY, 8, eos_id=None))
+    for _ in engine.run():
+        pass
+    assert seen == chunks
+    assert request.token_ids == greedy_by_recomputation(model, prompt, 8)

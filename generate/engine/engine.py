@@ -30,7 +30,7 @@ def raise_errors(requests: list[Request]) -> None:
             raise GenerationError(r.error)
 
 
-# Prompt positions a step prefills at most; a prompt is cut at multiples of it, so its bits are its own.
+# Prompt positions a step prefills at most beside other slots, cut at multiples: a prompt's bits are its own.
 PREFILL_CHUNK = 32
 OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
 
@@ -83,6 +83,7 @@ class Engine:
         self._state: dict[Request, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
+        self.chunk = PREFILL_CHUNK if slots > 1 else max_len  # (a lone slot stalls no one: one pass a prompt)
 
     @property
     def slots(self) -> int:
@@ -123,10 +124,10 @@ class Engine:
         for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
             self.running[slot], self._prefilling[slot] = self.waiting.popleft(), 0
-        budget, joined = PREFILL_CHUNK, {}  # slot -> the last logits of a prompt prefilled whole
+        budget, joined = self.chunk, {}  # slot -> the last logits of a prompt prefilled whole
         for slot, start in list(self._prefilling.items()):
             prompt = self.running[slot].prompt
-            end = min(len(prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            end = min(len(prompt), (start // self.chunk + 1) * self.chunk)
             if end - start > budget:  # (the step's first chunk always fits)
                 break
             last = self.runner.prefill(prompt[start:end], slot, start)
