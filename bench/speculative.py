@@ -110,7 +110,7 @@ def _verify_cost(args: argparse.Namespace) -> None:
         line = f"  k={k}"
         for compiled in kinds:
             cache = KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype)
-            runner = Runner(model, cache, compile=compiled, width=k + 1)
+            runner = Runner(model, cache, compile=compiled, widths=(k + 1,))
             runner.prefill(list(range(args.position)), 0)
             ms = 1000 * _step_seconds(runner, k, args.position, args.calls)
             base.setdefault(compiled, ms)

@@ -123,13 +123,14 @@ class CausalAttention(nn.Module):
         (``head_dim``, :data:`CHUNK` positions, then the chunks in order); a chunk wholly past a row's
         positions adds exactly 0 and the maximum is exact in any order, so more chunks change no bits."""
         b, nh, t, hs = q.shape
-        chunks = keys.shape[2] // CHUNK
-        if not torch.compiler.is_compiling() and keys.shape[2] % CHUNK:
+        chunks, compiling = keys.shape[2] // CHUNK, torch.compiler.is_compiling()
+        if not compiling and keys.shape[2] % CHUNK:
             raise ValueError(
                 f"a decode step reads whole chunks of {CHUNK} cache positions; got a span of {keys.shape[2]} "
                 "(a model.KVCache holds whole chunks)"
             )
-        scores = (q.float() * (1.0 / math.sqrt(hs))) @ keys.float().transpose(-2, -1)  # (B, nh, T, span)
+        q = q.float() * (1.0 / math.sqrt(hs))  # compiled: products summed, no batched GEMM (one kernel rule)
+        scores = (q[:, :, :, None] * keys.float()[:, :, None]).sum(-1) if compiling else q @ keys.float().mT
         scores = scores.masked_fill(blocked, float("-inf"))
         weights = torch.exp(scores - scores.amax(-1, keepdim=True)).view(b, nh, t, chunks, CHUNK, 1)
         parts = (weights * values.float().view(b, nh, 1, chunks, CHUNK, hs)).sum(4)  # (B, nh, T, chunks, hs)

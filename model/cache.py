@@ -27,9 +27,7 @@ class KVCache:
         if slots <= 0:
             raise ValueError(f"slots must be positive, got {slots}")
         if not 0 < max_len <= config.n_positions:
-            raise ValueError(
-                f"max_len must be in 1..{config.n_positions} (the model's n_positions), got {max_len}"
-            )
+            raise ValueError(f"max_len must be in 1..{config.n_positions} (n_positions), got {max_len}")
         positions = -(-max_len // CHUNK) * CHUNK
         # One position more in storage, never used: a step's keys are then never the whole buffer, so a step
         # exported with a dynamic span needs no case for a contiguous slice (which torch.export refused).

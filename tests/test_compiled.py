@@ -185,7 +185,7 @@ def test_jit_step_compiles_once_and_matches_the_full_forward():
 
     model, requests = make_model(CONFIG, seed=6, std=0.3), mixed_requests(CONFIG, 6, count=5)
     engine = Engine(model, slots=2)
-    engine.runner._step = compiled.jit_step(model, engine.cache)  # compiled here, on a warm-up step
+    engine.runner.compiled, engine.runner._steps = True, {1: compiled.jit_step(model, engine.cache)}  # (warm)
     graphs = counters["stats"]["unique_graphs"]
     seen = run_and_record(engine, requests)
     assert counters["stats"]["unique_graphs"] == graphs

@@ -2,8 +2,8 @@
 
 In a speculating engine of several slots the tokens and log-probabilities are those it gives with no
 proposals at all, bit for bit, whatever is proposed (always right, always wrong, prompt lookup, a draft
-model); against a plain (non-speculating) engine, and in a one-slot eager engine (which takes plain steps
-where nothing is proposed), the tokens are the same and the log-probabilities agree within the prefix tests'
+model); against a plain (non-speculating) engine, and in a one-slot engine (which takes plain steps where
+nothing is proposed), the tokens are the same and the log-probabilities agree within the prefix tests'
 tolerance.
 """
 
@@ -236,23 +236,35 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert propose([7, 7], k=5) == [7]  # the continuation may be short
 
 
-# 10 rows; 3 rows (a size the GEMM template takes for a decode step) over 2 chunks (a span that varies)
+# 10 rows (ATen's GEMMs); 3 rows (the GEMM template's) over 2 chunks (a span that varies)
 @pytest.mark.parametrize(("slots", "lookahead", "window"), [(2, 4, 64), (1, 2, 128)])
 def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones(slots, lookahead, window):
-    # The CPU's AOTInductor library of one step of (slots, 1 + lookahead), compiled once (the second engine
-    # loads it): proposals or none, the same bits; against eager, the same tokens.
+    # The CPU's AOTInductor library of one step of (slots, 1 + lookahead), compiled once (later engines load
+    # it); a lone slot also has the plain step's, for steps where it proposes nothing. Several slots:
+    # proposals or none, the same bits. A lone slot: nothing proposed, a plain engine's bits; proposals, its
+    # tokens. Against eager, the same tokens.
     model = make_model(dataclasses.replace(CONFIG, n_positions=window), seed=3, std=0.3)
-    ps = prompts(16, seed=8)
-    compiled = {}
-    for name, proposer in (("none", NoProposals()), ("ngram", NgramProposer())):
-        engine = Engine(model, slots=slots, speculate=Speculator(proposer, lookahead), compile=True)
-        requests = [engine.add(Request(p, SEEDED, max_new_tokens=20, seed=i, eos_id=None, logprobs=True))
-                    for i, p in enumerate(ps)]  # fmt: skip
-        for _ in engine.run():
-            pass
-        compiled[name] = results(requests)
-    assert compiled["ngram"] == compiled["none"]  # the same compiled step: bit for bit
-    eager = run(model, ps, SEEDED, Speculator(NgramProposer(), lookahead), slots=slots, max_new_tokens=20)
-    for (tokens, logprobs, _), r in zip(compiled["ngram"], eager, strict=True):
-        assert tokens == r.token_ids
-        assert max(abs(x - y) for x, y in zip(logprobs, r.logprobs_list, strict=True)) < 1e-5
+    ps, accepted = prompts(16, seed=8), 0
+    ways = {"none": NoProposals(), "ngram": NgramProposer(), **({"plain": None} if slots == 1 else {})}
+    for sampling in (GREEDY, SEEDED):
+        compiled = {}
+        for name, proposer in ways.items():
+            speculator = None if proposer is None else Speculator(proposer, lookahead)
+            engine = Engine(model, slots=slots, speculate=speculator, compile=True)
+            options = {"max_new_tokens": 20, "eos_id": None, "logprobs": True}
+            requests = [engine.add(Request(p, sampling, seed=i, **options)) for i, p in enumerate(ps)]
+            for _ in engine.run():
+                pass
+            compiled[name] = results(requests)
+            accepted += speculator.counts.accepted if name == "ngram" else 0
+        if slots > 1:
+            assert compiled["ngram"] == compiled["none"]  # the same compiled step: bit for bit
+        else:
+            assert compiled["none"] == compiled["plain"]  # nothing proposed: plain steps
+        eager = run(
+            model, ps, sampling, Speculator(NgramProposer(), lookahead), slots=slots, max_new_tokens=20
+        )
+        for (tokens, logprobs, _), r, none in zip(compiled["ngram"], eager, compiled["none"], strict=True):
+            assert tokens == r.token_ids == none[0]
+            assert max(abs(x - y) for x, y in zip(logprobs, r.logprobs_list, strict=True)) < 1e-5
+    assert accepted > 10  # (the proposals' path was taken)

@@ -33,7 +33,7 @@ Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
 # Inductor on the CPU: weights frozen and prepacked for one kernel per product, so nothing is timed: its C++
-# GEMM template with AVX-512 for a decode step of at most TEMPLATE_ROWS slots, else ATen's (docs/engine.md).
+# GEMM template with AVX-512 for a step of at most TEMPLATE_ROWS rows (slots x width), else ATen's.
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
 CPU_OPTIONS = {"freezing": True, "max_autotune": True}
@@ -138,7 +138,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         dynamic = (None, None, chunks, None, (None,) * (2 * len(cache.k)))
         exported = torch.export.export(_Step(model), inputs, dynamic_shapes=dynamic)
         package = Path(work) / "step.pt2"
-        gemm = "CPP" if AVX512 and width == 1 and cache.slots <= TEMPLATE_ROWS else "ATEN"
+        gemm = "CPP" if AVX512 and cache.slots * width <= TEMPLATE_ROWS else "ATEN"
         options = {**CPU_OPTIONS, "max_autotune_gemm_backends": gemm}
         torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                  inductor_configs=options)  # fmt: skip

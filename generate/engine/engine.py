@@ -75,8 +75,9 @@ class Engine:
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
             self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
-            width = 1 if speculate is None else 1 + speculate.lookahead
-            self.runner = Runner(model, self.cache, compile=compile, progress=progress, width=width)
+            width = 1 if speculate is None else 1 + speculate.lookahead  # (a lone slot's steps also plain)
+            self.runner = Runner(model, self.cache, compile=compile, progress=progress,
+                                 widths=(width,) if slots > 1 else (1, width))  # fmt: skip
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         # request -> its seed and, once it runs, its penalties' state (a request is hashed by identity)
@@ -151,23 +152,21 @@ class Engine:
         return events
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        """A speculating step (:mod:`generate.engine.speculate`). A lone eager slot feeds only what it
-        proposed, a plain step where that is nothing: no neighbour's bits depend on its step's shape."""
+        """A speculating step (:mod:`generate.engine.speculate`). A lone slot takes a plain step where it
+        proposed nothing, and eager feeds only what it proposed: no neighbour's bits depend on its shape."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
-        narrow = self.slots == 1 and not self.runner.compiled  # (else the width is fixed: proposing is free)
-        if narrow:
-            width = 1 + len(proposals[decoding[0]])
-            tokens, positions = tokens[:, :width], positions[:, :width]
-        width = tokens.shape[1]
-        # (slots, width, V); nothing proposed (a width of 1): a plain step
+        lone, proposed = self.slots == 1, len(proposals[decoding[0]])  # (else the width is fixed)
+        if lone and not (proposed and self.runner.compiled):
+            tokens, positions = tokens[:, : 1 + proposed], positions[:, : 1 + proposed]
+        width = tokens.shape[1]  # logits (slots, width, V); nothing proposed (a width of 1): a plain step
         logits = (self.runner.verify(tokens, positions) if width > 1
                   else self.runner.decode(tokens[:, 0], positions[:, 0])[:, None])  # fmt: skip
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)
-            spec.record(slot, len(proposals[slot]), chosen, len(request.token_ids) if narrow else None)
+            spec.record(slot, len(proposals[slot]), chosen, len(request.token_ids) if lone else None)
             if self.running.get(slot) is request:
                 self.cache.lengths[slot] += chosen
         return events

@@ -22,8 +22,8 @@ def forward_step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: to
 
 
 class Runner:
-    """Calls the model for the engine, ``width`` tokens per slot a step (more to verify proposals); with
-    ``compile`` the step runs compiled (:func:`generate.engine.compiled.compile_step`, told ``progress``)."""
+    """Calls the model for the engine: steps of the ``widths`` given (tokens a slot; more verify proposals),
+    with ``compile`` a library each (:func:`generate.engine.compiled.compile_step`, told ``progress``)."""
 
     def __init__(
         self,
@@ -32,14 +32,14 @@ class Runner:
         *,
         compile: bool = False,
         progress: Callable[[str], None] | None = None,
-        width: int = 1,
+        widths: tuple[int, ...] = (1,),
     ) -> None:
         self.model, self.cache, self.compiled = model, cache, compile
-        self._step = partial(forward_step, model, cache)  # (eager; the compiled step takes the same inputs)
+        self._eager, self._steps = partial(forward_step, model, cache), {}  # (width -> its compiled step)
         if compile:
             from generate.engine.compiled import compile_step
 
-            self._step = compile_step(model, cache, progress, width)
+            self._steps = {w: compile_step(model, cache, progress, w) for w in sorted(set(widths))}
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Write ``tokens`` (a chunk of a prompt, from position ``start``) into ``slot``, attending to the
@@ -57,7 +57,8 @@ class Runner:
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(slots, T) ids at consecutive positions -> (slots, T, V) logits, attending as in a decode step."""
         device = self.model.device
-        return self._step(tokens.to(device), positions.to(device), self._span(positions))
+        step = self._steps[tokens.shape[1]] if self.compiled else self._eager
+        return step(tokens.to(device), positions.to(device), self._span(positions))
 
     def _span(self, positions: torch.Tensor) -> int:
         """Cache positions a step reads: on the CPU up to the furthest row (the model rounds it up to whole

@@ -16,7 +16,7 @@ from generate.engine.request import Request
 from generate.engine.runner import Runner
 from model import GPT, KVCache
 
-DEFAULT_LOOKAHEAD = 4
+DEFAULT_LOOKAHEAD = 3  # (a lone slot's compiled step of 4 rows takes the GEMM template: docs/engine.md)
 MAX_REST = 64  # the longest a slot rests from proposing after its proposals missed (tokens)
 
 
@@ -111,9 +111,9 @@ def make_speculator(
 
 class Speculator:
     """What a speculating engine keeps: the ``proposer``, each slot's lookahead and ``counts`` (default: its
-    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; where a
-    step costs what it proposes, after a miss it rests (proposes nothing) for 1, then 2, 4, ... up to
-    :data:`MAX_REST` tokens, then tries one."""
+    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; where
+    proposing costs (a lone slot's step is plain without), after a miss it rests (proposes nothing) for 1,
+    then 2, 4, ... up to :data:`MAX_REST` tokens, then tries one."""
 
     def __init__(
         self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
@@ -149,7 +149,7 @@ class Speculator:
 
     def record(self, slot: int, proposed: int, chosen: int, made: int | None) -> None:
         """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead;
-        ``made``: the request's output length where a step costs what it proposes (a miss rests), or None."""
+        ``made``: the request's output length where proposing costs (a lone slot: a miss rests), or None."""
         accepted = max(chosen - 1, 0)
         self.counts.proposed += proposed
         self.counts.accepted += accepted
