@@ -129,8 +129,9 @@ class CausalAttention(nn.Module):
                 f"a decode step reads whole chunks of {CHUNK} cache positions; got a span of {keys.shape[2]} "
                 "(a model.KVCache holds whole chunks)"
             )
-        q = q.float() * (1.0 / math.sqrt(hs))  # compiled: products summed, no batched GEMM (one kernel rule)
-        scores = (q[:, :, :, None] * keys.float()[:, :, None]).sum(-1) if compiling else q @ keys.float().mT
+        # Compiled for the CPU, products summed: no batched GEMM, so every GEMM follows its kernel rule
+        q, sums = q.float() * (1.0 / math.sqrt(hs)), compiling and q.device.type == "cpu"
+        scores = (q[:, :, :, None] * keys.float()[:, :, None]).sum(-1) if sums else q @ keys.float().mT
         scores = scores.masked_fill(blocked, float("-inf"))
         weights = torch.exp(scores - scores.amax(-1, keepdim=True)).view(b, nh, t, chunks, CHUNK, 1)
         parts = (weights * values.float().view(b, nh, 1, chunks, CHUNK, hs)).sum(4)  # (B, nh, T, chunks, hs)

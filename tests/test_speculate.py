@@ -7,6 +7,7 @@ nothing is proposed), the tokens are the same and the log-probabilities agree wi
 tolerance.
 """
 
+import collections
 import dataclasses
 
 import pytest
@@ -119,7 +120,7 @@ def test_any_proposals_give_the_tokens_and_logprobs_of_none_bit_for_bit(model, d
         if name == "right":  # every proposal taken: up to 5 tokens a step
             assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_pass"] > 3
         if name == "wrong":  # 4 missed, then one a step while the budget allows (13); alone, one after
-            # rests of 1, 2 and 4 tokens (3): a lone eager slot's step costs what it proposes
+            # rests of 1, 2 and 4 tokens (3): a lone slot's step costs more with proposals
             assert stats["accepted"] == 0 and stats["proposed"] == (4 + (3 if slots == 1 else 13)) * len(ps)
         if name == "ngram":
             assert 0 < stats["accepted"] < stats["proposed"]
@@ -134,6 +135,30 @@ def test_speculation_gives_a_plain_engines_tokens_and_its_logprobs_within_tolera
     # A lone eager slot with nothing to propose takes plain steps: a plain engine's bits.
     alone = [run(model, [p], sampling, Speculator(NoProposals()), slots=1)[0] for p in ps[:8]]
     assert results(alone) == results([run(model, [p], sampling, slots=1)[0] for p in ps[:8]])
+
+
+def test_a_lone_slot_proposes_for_each_request_afresh(model):
+    # A request that ends inside a speculating step leaves no lookahead or rest behind in its slot.
+    first, second = prompts(2, seed=9)
+    reference = run(model, [first, second], GREEDY, slots=1, max_new_tokens=16)
+    right = Known({(tuple(r.prompt), r.seed): r.token_ids for r in reference}, CONFIG.vocab_size, 0)
+
+    def proposed_for_second(after_first: bool) -> int:
+        speculator = Speculator(right, lookahead=4)
+        engine = Engine(model, slots=1, speculate=speculator)
+        if after_first:  # its 4 tokens: 1 from the prompt, then 2 proposed and taken, and 1 in that step
+            engine.add(Request(first, GREEDY, max_new_tokens=4, seed=0, eos_id=None))
+            for _ in engine.run():
+                pass
+            assert speculator.counts.passes == 1
+        before = speculator.counts.proposed
+        request = engine.add(Request(second, GREEDY, max_new_tokens=16, seed=1, eos_id=None))
+        for _ in engine.run():
+            pass
+        assert request.token_ids == reference[1].token_ids
+        return speculator.counts.proposed - before
+
+    assert proposed_for_second(after_first=True) == proposed_for_second(after_first=False)
 
 
 def test_logprobs_equal_the_full_forward_at_every_prefix_to_the_window_end(model):
@@ -236,21 +261,33 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert propose([7, 7], k=5) == [7]  # the continuation may be short
 
 
-# 10 rows (ATen's GEMMs); 3 rows (the GEMM template's) over 2 chunks (a span that varies)
-@pytest.mark.parametrize(("slots", "lookahead", "window"), [(2, 4, 64), (1, 2, 128)])
+def counting(steps: dict, calls: collections.Counter) -> dict:
+    """A runner's compiled steps (width -> step), each counting its calls in ``calls`` by width."""
+
+    def counted(width, step):
+        return lambda *inputs: calls.update([width]) or step(*inputs)
+
+    return {width: counted(width, step) for width, step in steps.items()}
+
+
+# 10 rows (ATen's GEMMs); a lone slot's 4 rows (the default lookahead; with AVX-512 the GEMM template's) over
+# 2 chunks (a span that varies)
+@pytest.mark.parametrize(("slots", "lookahead", "window"), [(2, 4, 64), (1, 3, 128)])
 def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones(slots, lookahead, window):
     # The CPU's AOTInductor library of one step of (slots, 1 + lookahead), compiled once (later engines load
     # it); a lone slot also has the plain step's, for steps where it proposes nothing. Several slots:
     # proposals or none, the same bits. A lone slot: nothing proposed, a plain engine's bits; proposals, its
-    # tokens. Against eager, the same tokens.
+    # tokens and its logprobs within tolerance. Against eager, the same tokens.
     model = make_model(dataclasses.replace(CONFIG, n_positions=window), seed=3, std=0.3)
-    ps, accepted = prompts(16, seed=8), 0
+    ps, accepted, calls = prompts(16, seed=8), 0, collections.Counter()
     ways = {"none": NoProposals(), "ngram": NgramProposer(), **({"plain": None} if slots == 1 else {})}
     for sampling in (GREEDY, SEEDED):
         compiled = {}
         for name, proposer in ways.items():
             speculator = None if proposer is None else Speculator(proposer, lookahead)
             engine = Engine(model, slots=slots, speculate=speculator, compile=True)
+            if name == "ngram":
+                engine.runner._steps = counting(engine.runner._steps, calls)
             options = {"max_new_tokens": 20, "eos_id": None, "logprobs": True}
             requests = [engine.add(Request(p, sampling, seed=i, **options)) for i, p in enumerate(ps)]
             for _ in engine.run():
@@ -266,5 +303,9 @@ def test_a_compiled_speculative_step_gives_the_tokens_of_none_and_the_eager_ones
         )
         for (tokens, logprobs, _), r, none in zip(compiled["ngram"], eager, compiled["none"], strict=True):
             assert tokens == r.token_ids == none[0]
-            assert max(abs(x - y) for x, y in zip(logprobs, r.logprobs_list, strict=True)) < 1e-5
+            for other in (r.logprobs_list, none[1]):
+                assert max(abs(x - y) for x, y in zip(logprobs, other, strict=True)) < 1e-5
     assert accepted > 10  # (the proposals' path was taken)
+    # Several slots: every step at the one width; a lone slot: plain steps too, where it rests
+    assert set(calls) == ({1, 1 + lookahead} if slots == 1 else {1 + lookahead})
+    assert min(calls.values()) > 10

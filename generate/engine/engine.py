@@ -75,7 +75,7 @@ class Engine:
         self.vocab = cfg.vocab_size if vocab_limit is None else min(vocab_limit, cfg.vocab_size)
         with said_plainly(OUT_OF_MEMORY_ADVICE):  # (past the up-front check when memory shrank meanwhile)
             self.cache = KVCache(cfg, slots, max_len, dtype=model.compute_dtype, device=model.device)
-            width = 1 if speculate is None else 1 + speculate.lookahead  # (a lone slot's steps also plain)
+            width = 1 if speculate is None else 1 + speculate.lookahead  # (a lone slot: plain steps too)
             self.runner = Runner(model, self.cache, compile=compile, progress=progress,
                                  widths=(width,) if slots > 1 else (1, width))  # fmt: skip
         self.waiting: deque[Request] = deque()
@@ -125,6 +125,8 @@ class Engine:
         for slot in free[: len(self.waiting)]:
             self.cache.clear(slot)
             self.running[slot], self._prefilling[slot] = self.waiting.popleft(), 0
+            if self.speculator is not None:  # (a request that ended in its step left its lookahead there)
+                self.speculator.ahead.pop(slot, None)
         budget, joined = self.chunk, {}  # slot -> the last logits of a prompt prefilled whole
         for slot, start in list(self._prefilling.items()):
             prompt = self.running[slot].prompt
@@ -157,8 +159,8 @@ class Engine:
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
-        lone, proposed = self.slots == 1, len(proposals[decoding[0]])  # (else the width is fixed)
-        if lone and not (proposed and self.runner.compiled):
+        lone, proposed = self.slots == 1, len(proposals[decoding[0]])  # (several slots: one width always)
+        if lone and (not proposed or not self.runner.compiled):  # (a lone compiled step: 1 token or all)
             tokens, positions = tokens[:, : 1 + proposed], positions[:, : 1 + proposed]
         width = tokens.shape[1]  # logits (slots, width, V); nothing proposed (a width of 1): a plain step
         logits = (self.runner.verify(tokens, positions) if width > 1
@@ -248,6 +250,4 @@ class Engine:
         self._state.pop(request, None)
         self._prefilling.pop(slot, None)
         self._pending[slot] = self.cache.lengths[slot] = 0
-        if self.speculator is not None:
-            self.speculator.ahead.pop(slot, None)
         return request

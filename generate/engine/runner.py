@@ -55,7 +55,7 @@ class Runner:
         return self.verify(tokens.clone()[:, None], positions.clone()[:, None])  # (inference tensors)
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(slots, T) ids at consecutive positions -> (slots, T, V) logits, attending as in a decode step."""
+        """(slots, T) ids at consecutive positions -> logits (slots, T, V), or (slots, V) for T = 1."""
         device = self.model.device
         step = self._steps[tokens.shape[1]] if self.compiled else self._eager
         return step(tokens.to(device), positions.to(device), self._span(positions))
