@@ -132,20 +132,17 @@ class Speculator:
         feeds its pending token at ``lengths[s]``, then proposals within the request's budget, below position
         ``window - 1`` (only ever chosen, never fed) and before any id outside ``0..vocab-1``; padding past
         ``window - 2`` sits at ``window - 1``, which no query reads."""
-        width = 1 + self.lookahead
-        tokens = torch.zeros(len(lengths), width, dtype=torch.long)
-        tokens[:, 0] = pending
+        width, proposals = 1 + self.lookahead, {}
+        rows = [[token] + [0] * self.lookahead for token in pending.tolist()]
         positions = (torch.tensor(lengths)[:, None] + torch.arange(width)).clamp_(max=window - 1)
-        proposals = {}
         for slot, request in running.items():
             left = request.max_new_tokens - len(request.token_ids) - 1
             ahead, rests_until, _ = self.ahead.get(slot, (self.lookahead, 0, 0))
             k = min(ahead if len(request.token_ids) >= rests_until else 0, window - 2 - lengths[slot], left)
             proposed = [int(t) for t in self.proposer.propose(slot, request, k)[:k]] if k > 0 else []
             outside = next((i for i, t in enumerate(proposed) if not 0 <= t < vocab), len(proposed))
-            proposals[slot] = proposed[:outside]
-            tokens[slot, 1 : 1 + len(proposals[slot])] = torch.tensor(proposals[slot], dtype=torch.long)
-        return tokens, positions, proposals
+            proposals[slot] = rows[slot][1 : 1 + outside] = proposed[:outside]
+        return torch.tensor(rows), positions, proposals
 
     def record(self, slot: int, proposed: int, chosen: int, made: int | None) -> None:
         """Count a slot's step (``chosen`` tokens from ``proposed`` proposals) and set its next lookahead;
