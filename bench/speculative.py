@@ -8,15 +8,16 @@ cost of a verify pass against a decode step.
 
 Prints tokens per second (median and range over rounds) for each way, its ratio to plain decoding of the same
 kind, the acceptance rate and the tokens a row gains per step, for two kinds of prompt: excerpts of the
-held-out text (little repeats) and passages quoted twice (the prompt ends with the start of a passage it
-holds earlier, so the continuation repeats it). The outputs of every way are checked equal to plain
-decoding's (tokens), as the tests promise. ``--verify-cost`` times one step of ``1 + k`` tokens per row
-against a plain decode step (k = 0), the ceiling on what speculation can give.
+held-out text (little repeats) and passages quoted twice (the prompt ends with the start of a passage it holds
+earlier, so a model that copies goes on with it: it prints how far plain decoding does). The outputs of every
+way are checked equal to plain decoding's (tokens), as the tests promise. ``--verify-cost`` times one step of
+``1 + k`` tokens per row against a plain decode step (k = 0), the ceiling on what speculation can give.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -68,13 +69,24 @@ def _speeds(args: argparse.Namespace) -> None:
         for label, sampling in samplings.items():
             print(f"\n{kind}, {label}: {len(prompts)} prompt(s) of {len(prompts[0])} tokens, {args.new} new, "
                   f"{args.rounds} rounds")  # fmt: skip
-            _compare(ways, prompts, sampling, args)
+            outputs = _compare(ways, prompts, sampling, args)
+            if kind == "quoted twice":  # (prompt lookup can only gain where the model repeats the quote)
+                quotes = [p[args.prompt_tokens // 4 : args.prompt_tokens] for p in prompts]
+                same = [_repeated(out, quote) for out, quote in zip(outputs, quotes, strict=True)]
+                print(f"  plain decoding repeats the quoted passage for its first {statistics.median(same)} "
+                      f"tokens (median; {min(same)}-{max(same)})")  # fmt: skip
+
+
+def _repeated(output: list[int], quote: list[int]) -> int:
+    """How many of ``output``'s first tokens are ``quote``'s."""
+    return sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(output, quote, strict=False)))
 
 
 def _compare(
     ways: dict, prompts: list[list[int]], sampling: SamplingParams, args: argparse.Namespace
-) -> None:
-    """Time every way on ``prompts`` in alternating rounds and print each against plain decoding."""
+) -> list[list[int]]:
+    """Time every way on ``prompts`` in alternating rounds and print each against plain decoding; return
+    plain decoding's tokens."""
     rates: dict[str, list[float]] = {name: [] for name in ways}
     outputs: dict[str, list[list[int]]] = {}
     for name, gen in ways.items():  # (a first run: compiles, warms up; the counts start after it)
@@ -94,6 +106,7 @@ def _compare(
         same = "same tokens" if outputs[name] == outputs["plain"] else "TOKENS DIFFER from plain"
         print(f"  {name:16s} {statistics.median(values):7.1f} tok/s ({min(values):.1f}-{max(values):.1f})"
               f"  {statistics.median(values) / base:.2f}x{extra}  [{same}]", flush=True)  # fmt: skip
+    return outputs["plain"]
 
 
 def _verify_cost(args: argparse.Namespace) -> None:
