@@ -141,7 +141,8 @@ class Speculator:
             k = min(ahead if len(request.token_ids) >= rests_until else 0, window - 2 - lengths[slot], left)
             proposed = [int(t) for t in self.proposer.propose(slot, request, k)[:k]] if k > 0 else []
             outside = next((i for i, t in enumerate(proposed) if not 0 <= t < vocab), len(proposed))
-            proposals[slot] = rows[slot][1 : 1 + outside] = proposed[:outside]
+            proposals[slot] = proposed[:outside]
+            rows[slot][1 : 1 + outside] = proposals[slot]
         return torch.tensor(rows), positions, proposals
 
     def record(self, slot: int, proposed: int, chosen: int, made: int | None) -> None:
