@@ -16,7 +16,7 @@ from generate.engine.engine import Engine, raise_errors
 from generate.engine.memory import said_plainly
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
-from generate.engine.speculate import Counts, make_speculator
+from generate.engine.speculate import COMPILED_LOOKAHEAD, DEFAULT_LOOKAHEAD, Counts, make_speculator
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
 from generate.score import Score, score_ids
 from model import GPT, GPTConfig
@@ -215,7 +215,8 @@ class Generator:
         return self._engine
 
     def _make_engine(self, slots: int, max_len: int) -> Engine:
-        speculate = None if self.draft is None else make_speculator(self.draft, slots, counts=self._counts)
+        ahead = COMPILED_LOOKAHEAD if self.compile else DEFAULT_LOOKAHEAD
+        speculate = None if self.draft is None else make_speculator(self.draft, slots, ahead, self._counts)
         return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,
                       token_bytes=self.tokenizer.decode_single_token_bytes,
                       vocab_limit=self.tokenizer.n_vocab, speculate=speculate)  # fmt: skip

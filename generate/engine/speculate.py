@@ -16,7 +16,8 @@ from generate.engine.request import Request
 from generate.engine.runner import Runner
 from model import GPT, KVCache
 
-DEFAULT_LOOKAHEAD = 3  # (a lone slot's compiled step of 4 rows takes the GEMM template: docs/engine.md)
+DEFAULT_LOOKAHEAD = 4
+COMPILED_LOOKAHEAD = 3  # the API's when compiled: a lone slot's step of 4 rows takes the GEMM template
 MAX_REST = 64  # the longest a slot rests from proposing after its proposals missed (tokens)
 
 
