@@ -138,8 +138,8 @@ class GPT(nn.Module):
             step = step or input_ids.shape[1] == 1
             span = self._check_cached(input_ids, positions, cache, slot, span)
             span = -(-span // CHUNK) * CHUNK if step else span
-            if embedded is not None and tuple(embedded.shape) != (*input_ids.shape, self.config.n_embd):
-                want = (*input_ids.shape, self.config.n_embd)
+            want = (*input_ids.shape, self.config.n_embd)  # (the shape embedded must have, if given)
+            if embedded is not None and tuple(embedded.shape) != want:
                 raise ValueError(f"embedded has shape {tuple(embedded.shape)}; pass GPT.embed's, {want}")
             x = self.embed(input_ids, positions) if embedded is None else embedded
             for i, block in enumerate(self.h):
