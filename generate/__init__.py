@@ -15,16 +15,8 @@ if TYPE_CHECKING:
     from generate.ids import TokenCompletion, generate_ids
     from generate.score import Score
 
-__all__ = [
-    "Completion",
-    "GenerationError",
-    "Generator",
-    "SamplingParams",
-    "Score",
-    "TokenCompletion",
-    "generate_ids",
-    "load",
-]
+__all__ = ["Completion", "GenerationError", "Generator", "SamplingParams", "Score", "TokenCompletion",
+           "generate_ids", "load"]  # fmt: skip
 
 _HOMES = {
     "generate.api": ("Completion", "Generator", "load"),

@@ -87,14 +87,12 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-        # GPT-2's scaled init: each residual projection is divided by sqrt(2 * n_layer).
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # GPT-2's scaled init of each residual projection
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _share_causal_mask(self) -> None:
-        # Every layer slices the same mask: hold one tensor, not n_layer copies (48 MiB for GPT-2 1.5B).
-        mask = self.h[0].attn.mask
+        mask = self.h[0].attn.mask  # every layer slices one mask, not n_layer copies (48 MiB for GPT-2 1.5B)
         for block in self.h[1:]:
             block.attn.mask = mask
 

@@ -20,11 +20,9 @@ from model.quant import COMPUTE_DTYPE, as_rows, quantize_child, quantize_model
 
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
-# Rows are padded to a multiple of this (the CPU packing's row block; CUDA's wants 8) and packed in passes.
-ROW_BLOCK = 64
+ROW_BLOCK = 64  # rows pad to a multiple of this (the CPU packing's row block; CUDA's: 8), packed in passes
 WEIGHTS_PER_PASS = 2**20  # quantized or packed per pass: bounds the temporaries (4 MiB each) while loading
-# CUDA's packing parameter (fewer tiles for widths that are not multiples of 16 * 8); the CPU ignores it.
-INNER_K_TILES = 8
+INNER_K_TILES = 8  # CUDA's packing parameter (fewer for widths not multiples of 16 * 8); the CPU ignores it
 DEQUANT_ROWS = 256  # input rows from which a CPU product runs in bf16 (about where both ways cost the same)
 
 

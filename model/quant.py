@@ -15,8 +15,7 @@ from torch import nn
 from model.gpt import TiedEmbedding
 
 COMPUTE_DTYPE = torch.bfloat16
-# Rows quantized (or turned into bf16 for a product) per pass: bounds the temporary (12 MiB for 768 columns).
-ROWS_PER_PASS = 4096
+ROWS_PER_PASS = 4096  # quantized (or made bf16 for a product) per pass: bounds the temporary (K=768: 12 MiB)
 DEQUANT_ROWS = 16  # input rows from which a product runs in bf16 (about where the two ways cost the same)
 
 

@@ -40,9 +40,8 @@ def out_of_memory(error: BaseException, advice: str) -> MemoryError | None:
     cpu = isinstance(error, RuntimeError) and ("DefaultCPUAllocator" in text or "alloc_cpu" in text)
     if not (cpu or isinstance(error, torch.OutOfMemoryError)):
         return None
-    size = re.search(r"(?:allocate|Tried to allocate) ([\d.]+) (bytes|[KMG]iB)", text)
     tried = ""
-    if size:
+    if size := re.search(r"(?:allocate|Tried to allocate) ([\d.]+) (bytes|[KMG]iB)", text):
         scale = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[size.group(2)]
         tried = f" (an allocation of {float(size.group(1)) * scale / 2**20:,.0f} MiB failed)"
     return MemoryError(f"out of memory{tried}; {advice}")
@@ -54,8 +53,7 @@ def said_plainly(advice: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        oom = out_of_memory(e, advice)
-        if oom is None:
+        if (oom := out_of_memory(e, advice)) is None:
             raise
         raise oom from e
 
@@ -81,13 +79,11 @@ def _cgroup_room() -> int | None:
     for limit_file, usage_file in (("memory.max", "memory.current"), v1):
         limit = _read_number(CGROUP_DIR / limit_file)
         if limit is not None and limit < 2**60:  # v1 writes "no limit" as a huge number
-            usage = _read_number(CGROUP_DIR / usage_file) or 0
-            return limit - usage
+            return limit - (_read_number(CGROUP_DIR / usage_file) or 0)
     return None
 
 
-# A step's peak bytes per row and vocab entry: logits, penalty state, sampling's temporaries (41 measured)
-VOCAB_BYTES_PER_ROW = 48
+VOCAB_BYTES_PER_ROW = 48  # peak bytes of a step's row per vocab id (logits, penalties, sampling; 41 measured)
 
 
 def check_engine_memory(
@@ -99,8 +95,7 @@ def check_engine_memory(
     # (a prefill's cached attention holds three fp32 (n_head, T, T) tensors at its peak)
     prefill = cache_len * (4 * config.inner_dim * dtype.itemsize + 3 * config.n_head * cache_len * 4)
     needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
-    free = available_memory(device)
-    if free is not None and needed > free:
+    if (free := available_memory(device)) is not None and needed > free:
         raise MemoryError(
             f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "
             f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "

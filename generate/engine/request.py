@@ -29,11 +29,9 @@ def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
             f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
             f"room for at most {window - 1} prompt tokens; shorten the prompt"
         )
-    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if bad:
+    if bad := [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]:
         raise ValueError(f"the prompt has token id {bad[0]!r}, which is not an integer; token ids are ints")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
+    if bad := [t for t in prompt if not 0 <= t < vocab]:
         raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
 
 

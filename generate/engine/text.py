@@ -33,8 +33,7 @@ class TextTracker:
         if not self._stop or not piece:
             return self.stopped
         start = max(0, len(self.text) - len(piece) - self._longest + 1)  # (it may begin in earlier text)
-        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
-        if hits:
+        if hits := [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]:
             self.text, self.stopped = self.text[: min(hits)], True
         return self.stopped
 
