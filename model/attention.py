@@ -106,7 +106,7 @@ class CausalAttention(nn.Module):
             span = k_buf.shape[2] if span is None else span
             keys, values = k_buf[:, :, :span], v_buf[:, :, :span]
             blocked = torch.arange(span, device=x.device) > positions[:, None, :, None]  # (B, 1, T, span)
-            if t == 1 or step:
+            if step or t == 1:  # (step first: a compiled step's t may be symbolic)
                 y = self.decode(q, keys, values, blocked)
             else:
                 y = F.scaled_dot_product_attention(q, keys, values, attn_mask=~blocked)

@@ -1,6 +1,7 @@
 """The compiled decode step (docs/engine.md). On the CPU an AOTInductor library, exported over a KV cache of
-the whole window with the number of chunks it reads as its one dynamic size, kept on disk under a digest of
-all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s ``reduce-overhead``, in each process."""
+the whole window with the number of chunks it reads as a dynamic size (and the width, where one library serves
+several), kept on disk under a digest of all it depends on (:func:`step_key`); on CUDA ``torch.compile``'s
+``reduce-overhead``, in each process."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ from model.attention import CHUNK
 log = logging.getLogger("gptgen")
 
 # A compiled step: (slots, width) token ids and positions, and how many cache positions to read (rounded up
-# to whole chunks) -> (slots, V) for a width of 1 (a decode step), else (slots, width, V) (a speculative one).
+# to whole chunks) -> (slots, width, V) logits (a width of 1: a decode step; more: a speculative one).
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 Progress = Callable[[str], None] | None
 
 # Inductor on the CPU: weights frozen and prepacked for one kernel per product, so nothing is timed: its C++
-# GEMM template with AVX-512 for a step of at most TEMPLATE_ROWS rows (slots x width), else ATen's.
+# GEMM template with AVX-512 for a step of at most TEMPLATE_ROWS rows (slots x width), else ATen's. A row's
+# bits from the template do not depend on how many there are: a lone slot's widths share one library.
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
 CPU_OPTIONS = {"freezing": True, "max_autotune": True}
@@ -57,7 +59,7 @@ def check_compile_memory(model: GPT) -> None:
         )
 
 
-def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
+def step_key(model: GPT, cache: KVCache, widths: tuple[int, ...] = (1,)) -> str:
     """The name of a compiled step: a digest of everything its library depends on."""
     h = hashlib.blake2b(digest_size=16)
     for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), runner.__file__, __file__]:
@@ -70,7 +72,7 @@ def step_key(model: GPT, cache: KVCache, width: int = 1) -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     facts = [repr(model.config), str(cache.k[0].dtype), cache.slots, cache.max_len, torch.__version__, cpu,
-             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), width]  # fmt: skip
+             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), widths]  # fmt: skip
     h.update(json.dumps(facts).encode())
     return h.hexdigest()
 
@@ -114,11 +116,14 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
     say(f"decode step compiled in {time.perf_counter() - start:.1f} s")
 
 
-def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: int) -> None:
-    """Export and AOT-compile the step; keep the package's shared library as ``path`` (atomically)."""
+def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths: tuple[int, ...]) -> None:
+    """Export and AOT-compile the step for ``widths`` (all between the first and the last); keep the package's
+    shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     store.use_inductor_cache()
-    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {width} tokens" if width > 1 else "")
+    low, width = widths[0], widths[-1]
+    tokens = f"{low}-{width}" if low < width else f"{width}"
+    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {tokens} tokens" if width > 1 else "")
     what = (f"compiling the decode step ({rows} x {cache.max_len} positions; half a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
     with (
@@ -130,12 +135,15 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         most = cache.k[0].shape[2] // CHUNK  # (the cache holds whole chunks)
-        tokens = torch.zeros(cache.slots, width, dtype=torch.long, device=model.device)
+        # (a dynamic size's example is not 1, which export would take for a constant)
+        example = max(low, 2) if low < width else width
+        tokens = torch.zeros(cache.slots, example, dtype=torch.long, device=model.device)
         count = torch.empty(min(2, most), 0, device=model.device)  # the chunk count: a size, no elements
         embedded = model.embed(tokens, torch.zeros_like(tokens))
         inputs = (tokens, torch.zeros_like(tokens), count, embedded, *cache.k, *cache.v)
         chunks = {0: torch.export.Dim("chunks", min=1, max=most)} if most > 1 else None
-        dynamic = (None, None, chunks, None, (None,) * (2 * len(cache.k)))
+        wide = {1: torch.export.Dim("width", min=low, max=width)} if low < width else None
+        dynamic = (wide, wide, chunks, wide, (None,) * (2 * len(cache.k)))
         exported = torch.export.export(_Step(model), inputs, dynamic_shapes=dynamic)
         package = Path(work) / "step.pt2"
         gemm = "CPP" if AVX512 and cache.slots * width <= TEMPLATE_ROWS else "ATEN"
@@ -151,10 +159,12 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, width: 
         os.replace(library, path)
 
 
-def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
-    """The CPU step: loaded from the cache directory, compiled first if it is not there."""
+def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
+                  widths: tuple[int, ...] = (1,)) -> Step:  # fmt: skip
+    """The CPU step for ``widths`` (every width from the first to the last): loaded from the cache directory,
+    compiled first if it is not there."""
     limit = store.cache_limit_bytes()  # (a bad setting refused before a compile, not after)
-    path = store.cache_dir() / "steps" / f"{step_key(model, cache, width)}.so"
+    path = store.cache_dir() / "steps" / f"{step_key(model, cache, widths)}.so"
     step = store.load(path)
     if step is None:
         check_compile_memory(model)  # (before the lock: a refusal writes nothing)
@@ -162,7 +172,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
             with store.compile_lock(path):
                 step = store.load(path)  # another process may have compiled it meanwhile
                 if step is None:
-                    _package(model, cache, path, progress, width)
+                    _package(model, cache, path, progress, widths)
                     step = store.load(path)
                     store.prune(path.parent, path, limit)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
@@ -171,7 +181,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None, width: 
                         "(%s)", path.parent, e, advice)  # fmt: skip
             # (the loaded library stays mapped once its directory is gone)
             with tempfile.TemporaryDirectory(prefix="gptgen-step-", ignore_cleanup_errors=True) as directory:
-                _package(model, cache, Path(directory) / path.name, progress, width)
+                _package(model, cache, Path(directory) / path.name, progress, widths)
                 step = store.load(Path(directory) / path.name)
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
@@ -203,6 +213,15 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
     return lambda tokens, positions, span: compiled(tokens, positions, *cache.k, *cache.v)
 
 
-def compile_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
-    """The compiled step of ``model`` over ``cache`` (see :data:`Step`), the CPU's or ``torch.compile``'s."""
-    return (packaged_step if model.device.type == "cpu" else jit_step)(model, cache, progress, width)
+def compile_steps(model: GPT, cache: KVCache, progress: Progress = None,
+                  widths: tuple[int, ...] = (1,)) -> dict[int, Step]:  # fmt: skip
+    """The compiled steps of ``model`` over ``cache`` for ``widths`` (width -> :data:`Step`): on the CPU a
+    library each, but a lone slot's widths up to :data:`TEMPLATE_ROWS` share one (with AVX-512); on CUDA
+    ``torch.compile``'s, one each."""
+    if model.device.type != "cpu":
+        return {w: jit_step(model, cache, progress, w) for w in sorted(set(widths))}
+    steps = {}
+    if AVX512 and cache.slots == 1:
+        shared = packaged_step(model, cache, progress, (1, TEMPLATE_ROWS))
+        steps = dict.fromkeys(range(1, TEMPLATE_ROWS + 1), shared)
+    return steps | {w: packaged_step(model, cache, progress, (w,)) for w in set(widths) - set(steps)}

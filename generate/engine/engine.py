@@ -160,11 +160,10 @@ class Engine:
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
         lone, proposed = self.slots == 1, len(proposals[decoding[0]])  # (several slots: one width always)
-        if lone and (not proposed or not self.runner.compiled):  # (a lone compiled step: 1 token or all)
+        if lone and self.runner.fits(1 + proposed):  # (else padded: a lone compiled step of a library each)
             tokens, positions = tokens[:, : 1 + proposed], positions[:, : 1 + proposed]
-        width = tokens.shape[1]  # logits (slots, width, V); nothing proposed (a width of 1): a plain step
-        logits = (self.runner.verify(tokens, positions) if width > 1
-                  else self.runner.decode(tokens[:, 0], positions[:, 0])[:, None])  # fmt: skip
+        width = tokens.shape[1]  # nothing proposed (a width of 1): a plain step
+        logits = self.runner.verify(tokens, positions)  # (slots, width, V)
         events = self._choose(logits.flatten(0, 1), {slot: slot * width for slot in decoding}, proposals)
         for slot, request in running.items():
             chosen = sum(1 for r, _ in events if r is request)

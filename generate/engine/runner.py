@@ -13,17 +13,14 @@ from model import GPT, KVCache
 
 def forward_step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, span: int,
                  embedded: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """A step's forward: the last position's logits for one token per row, every position's for more
-    (``embedded``: the tokens' :meth:`model.GPT.embed`, if computed already)."""
-    one = tokens.shape[1] == 1
-    logits = model(tokens, positions=positions, cache=cache, span=span, last_only=one, step=True,
-                   embedded=embedded)  # fmt: skip
-    return logits[:, -1] if one else logits
+    """A step's forward: (slots, T) tokens -> every position's logits, (slots, T, V) (``embedded``: the
+    tokens' :meth:`model.GPT.embed`, if computed already)."""
+    return model(tokens, positions=positions, cache=cache, span=span, step=True, embedded=embedded)
 
 
 class Runner:
     """Calls the model for the engine: steps of the ``widths`` given (tokens a slot; more verify proposals),
-    with ``compile`` a library each (:func:`generate.engine.compiled.compile_step`, told ``progress``)."""
+    with ``compile`` compiled (:func:`generate.engine.compiled.compile_steps`, told ``progress``)."""
 
     def __init__(
         self,
@@ -37,9 +34,9 @@ class Runner:
         self.model, self.cache, self.compiled = model, cache, compile
         self._eager, self._steps = partial(forward_step, model, cache), {}  # (width -> its compiled step)
         if compile:
-            from generate.engine.compiled import compile_step
+            from generate.engine.compiled import compile_steps
 
-            self._steps = {w: compile_step(model, cache, progress, w) for w in sorted(set(widths))}
+            self._steps = compile_steps(model, cache, progress, widths)
 
     def prefill(self, tokens: list[int], slot: int, start: int = 0) -> torch.Tensor:
         """Write ``tokens`` (a chunk of a prompt, from position ``start``) into ``slot``, attending to the
@@ -52,10 +49,14 @@ class Runner:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token for every slot at its own position: (slots,) ids and positions -> (slots, V) logits."""
-        return self.verify(tokens.clone()[:, None], positions.clone()[:, None])  # (inference tensors)
+        return self.verify(tokens.clone()[:, None], positions.clone()[:, None])[:, 0]  # (inference tensors)
+
+    def fits(self, width: int) -> bool:
+        """Whether a step may feed ``width`` tokens a slot (eager: any; compiled: a width it was made for)."""
+        return not self.compiled or width in self._steps
 
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(slots, T) ids at consecutive positions -> logits (slots, T, V), or (slots, V) for T = 1."""
+        """(slots, T) ids at consecutive positions -> logits (slots, T, V)."""
         device = self.model.device
         step = self._steps[tokens.shape[1]] if self.compiled else self._eager
         return step(tokens.to(device), positions.to(device), self._span(positions))
