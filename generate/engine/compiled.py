@@ -221,7 +221,7 @@ def compile_steps(model: GPT, cache: KVCache, progress: Progress = None,
     if model.device.type != "cpu":
         return {w: jit_step(model, cache, progress, w) for w in sorted(set(widths))}
     steps = {}
-    if AVX512 and cache.slots == 1:
+    if AVX512 and cache.slots == 1 and min(widths) <= TEMPLATE_ROWS:
         shared = packaged_step(model, cache, progress, (1, TEMPLATE_ROWS))
         steps = dict.fromkeys(range(1, TEMPLATE_ROWS + 1), shared)
     return steps | {w: packaged_step(model, cache, progress, (w,)) for w in set(widths) - set(steps)}

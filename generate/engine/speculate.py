@@ -1,9 +1,9 @@
 """Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md).
 
-A step feeds each slot its last token, then its proposals (padded to ``1 + lookahead``; a lone slot: a plain
-step where it proposes nothing, and eager unpadded); the engine chooses as in a plain step while each choice
-equals the proposal, so whatever is proposed, the tokens are those of no proposals. The step's shape is not a
-plain step's: its logits' last bits (and so a near-tie) may differ."""
+A step feeds each slot its last token, then its proposals (padded to ``1 + lookahead``; a lone slot unpadded
+where its steps allow); the engine chooses as in a plain step while each choice equals the proposal, so
+whatever is proposed, the tokens are those of no proposals. The step's shape is not a plain step's: its
+logits' last bits (and so a near-tie) may differ, except in a lone slot's shared compiled library."""
 
 from __future__ import annotations
 
