@@ -61,13 +61,14 @@ class Generator:
             same tokens and log-probabilities, bit for bit, alone or in a list of any length (a lone prompt
             then computes ``slots`` rows: 1.5-2.7x the time a token at batch 1). False (default): an engine
             only as wide as the call needs, a lone prompt in one row (compiled: one row, or ``slots`` for
-            more prompts, two compiled steps, and with ``draft`` three); its logits may then differ in the
-            last bits from the same prompt's in a list, and a near-tie can pick another token.
+            more prompts, two compiled steps); its logits may then differ in the last bits from the same
+            prompt's in a list, and a near-tie can pick another token.
         progress: called with a line of text while a decode step compiles.
         draft: speculative decoding (:mod:`generate.engine.speculate`): ``"ngram"`` (prompt lookup) or a
             draft model sharing the tokenizer: with several rows the output is that of no proposals, bit
-            for bit; a lone prompt (plain steps where it proposes nothing) gives the same tokens, logprobs
-            within 1e-5. Compiled, the verifying step is compiled too (once per width, as a decode step).
+            for bit; a lone prompt gives the same tokens, logprobs within 1e-5 (compiled with AVX-512, its
+            steps of up to 4 tokens are its plain step's library: a plain run's bits). Compiled, a verifying
+            step of another width is compiled too (once per width, as a decode step).
 
     Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
     one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.

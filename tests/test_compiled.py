@@ -6,6 +6,7 @@ the compiled code depends on.
 window, alone and beside others, in fp32 and bf16.)
 """
 
+import dataclasses
 import logging
 import re
 import threading
@@ -16,8 +17,10 @@ import torch
 import generate.engine.compiled as compiled
 import generate.engine.store as store
 from generate.engine.engine import Engine
+from generate.engine.runner import Runner
 from helpers import (
     FP32_TOL,
+    INT4_CONFIG,
     TINY_CONFIGS,
     assert_engine_matches_full_forward,
     make_model,
@@ -25,6 +28,8 @@ from helpers import (
     run_and_record,
 )
 from model import GPTConfig, KVCache
+from model.int4 import quantize_int4
+from model.quant import quantize_int8
 
 CONFIG = TINY_CONFIGS["2x2x32"]
 
@@ -86,6 +91,7 @@ def test_the_key_changes_with_weights_dtype_width_and_threads(monkeypatch):
         other.h[0].mlp.c_fc.bias[0] += 1e-3
     assert compiled.step_key(other, KVCache(CONFIG, 2, 64)) != key
     assert compiled.step_key(model, KVCache(CONFIG, 4, 64)) != key
+    assert compiled.step_key(model, KVCache(CONFIG, 2, 64), (1, 4)) != key  # a width
     assert compiled.step_key(model, KVCache(CONFIG, 2, 64, dtype=torch.bfloat16)) != key  # the dtype alone
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
     assert compiled.step_key(model, KVCache(CONFIG, 2, 64)) != key
@@ -191,3 +197,32 @@ def test_jit_step_compiles_once_and_matches_the_full_forward():
     seen = run_and_record(engine, requests)
     assert counters["stats"]["unique_graphs"] == graphs and len(calls) > 10  # (its steps ran it)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
+def test_a_lone_slots_steps_of_1_to_4_tokens_give_each_token_its_own_steps_bits(dtype):
+    # With AVX-512 a lone slot's steps of 1 to 4 tokens are one library (dynamic width, the GEMM template's
+    # rows): each row of a wider step has the bits of that token's own step, and agrees with eager's.
+    # (fp32 and whole generations: tests/test_speculate.py's compiled test.)
+    model = make_model(dataclasses.replace(INT4_CONFIG, n_layer=1), seed=4, std=0.3)  # (a shorter compile)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    else:
+        model = quantize_int8(model) if dtype == "int8" else quantize_int4(model, 32)
+    cache = KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype)
+    runner = Runner(model, cache, compile=True, widths=(1, 4))
+    assert len({id(step) for step in runner._steps.values()}) == (1 if compiled.AVX512 else 2)
+    assert runner.fits(3) == compiled.AVX512
+    prompt = torch.randint(0, INT4_CONFIG.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    eager = Runner(model, KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype))
+    with torch.inference_mode():
+        for r in (runner, eager):
+            r.prefill(prompt.tolist(), 0)
+        tokens, positions = torch.tensor([[5, 9, 2, 7]]), torch.arange(20, 24)[None]
+        wide = runner.verify(tokens, positions)  # (1, 4, V)
+        for j in range(4):  # token j alone, after tokens 0..j-1 (written again, the same bits)
+            alone = runner.decode(tokens[:, j], positions[:, j])
+            if compiled.AVX512:  # (without, a library each)
+                assert torch.equal(alone, wide[:, j])
+            reference = eager.decode(tokens[:, j], positions[:, j])
+            assert (alone.float() - reference.float()).abs().max() <= 0.08 * reference.float().abs().max()

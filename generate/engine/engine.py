@@ -154,8 +154,8 @@ class Engine:
         return events
 
     def _verify(self, decoding: list[int]) -> list[tuple[Request, int]]:
-        """A speculating step (:mod:`generate.engine.speculate`). A lone slot takes a plain step where it
-        proposed nothing, and eager feeds only what it proposed: no neighbour's bits depend on its shape."""
+        """A speculating step (:mod:`generate.engine.speculate`). A lone slot feeds only what it proposed
+        (a plain step where nothing) where its runner fits that width: no neighbour's bits depend on it."""
         spec, running = self.speculator, {slot: self.running[slot] for slot in decoding}
         tokens, positions, proposals = spec.inputs(self._pending, self.cache.lengths, running,
                                                    self.cache.max_len, self.vocab)  # fmt: skip
