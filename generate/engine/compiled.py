@@ -122,8 +122,8 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
     path.parent.mkdir(parents=True, exist_ok=True)
     store.use_inductor_cache()
     low, width = widths[0], widths[-1]
-    tokens = f"{low}-{width}" if low < width else f"{width}"
-    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {tokens} tokens" if width > 1 else "")
+    label = f"{low}-{width}" if low < width else f"{width}"
+    rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {label} tokens" if width > 1 else "")
     what = (f"compiling the decode step ({rows} x {cache.max_len} positions; half a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
     with (
