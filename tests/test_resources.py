@@ -58,8 +58,9 @@ def test_two_hundred_sequential_requests_do_not_grow_memory():
     growth = rss_bytes() - start
     print(f"RSS before {start / 2**20:.1f} MiB, after 200 requests {(start + growth) / 2**20:.1f} MiB")
     # A request allocates ~1 MiB of vocabulary-sized state (logits, penalty counts): a leak of it would add
-    # 200 MiB. The heap's fragmentation moves RSS by a few MiB either way; 16 MiB separates the two.
-    assert growth < 16 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 200 requests"
+    # 200 MiB. The heap's fragmentation moves RSS by some MiB either way (16.7 seen late in a suite whose
+    # process held 920 MiB); 32 MiB separates the two.
+    assert growth < 32 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 200 requests"
 
 
 _LOAD_PEAK = """
