@@ -13,7 +13,8 @@ from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.sampling import SamplingParams, draw
 from model import GPT, GPTConfig, KVCache
-from model.int4 import unpack_codes
+from model.int4 import quantize_int4, unpack_codes
+from model.quant import quantize_int8
 
 # Tolerances against the full forward (test_prefix_consistency's docstring says why these). fp32's is relative
 # to the largest logit's magnitude when that is above 1 (assert_engine_matches_full_forward).
@@ -45,6 +46,16 @@ def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:
                 if p.dim() >= 2 or "ln" not in name:
                     p.normal_(0.0, std)
     return model.eval()
+
+
+def in_dtype(model: GPT, dtype: str) -> GPT:
+    """``model`` in a dtype as ``checkpoints.load`` names it: a torch dtype's name, or "int8", "int8-body",
+    "int4", "int4-body" (int4 groups of 32)."""
+    if dtype.startswith("int4"):
+        return quantize_int4(model, 32, include_head=dtype == "int4")
+    if dtype.startswith("int8"):
+        return quantize_int8(model, include_head=dtype == "int8")
+    return model.to(getattr(torch, dtype))
 
 
 def greedy_by_recomputation(model: GPT, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -15,10 +15,8 @@ import torch
 from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.sampling import SamplingParams
-from helpers import make_model, run_and_record
+from helpers import in_dtype, make_model, run_and_record
 from model import GPTConfig
-from model.int4 import quantize_int4
-from model.quant import quantize_int8
 
 LONG_WINDOW = GPTConfig(vocab_size=97, n_positions=256, n_embd=64, n_layer=2, n_head=2)
 SAMPLED = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, repetition_penalty=1.2)
@@ -26,12 +24,7 @@ DTYPES = ["float32", "bfloat16", "float16", "int8", "int8-body", "int4", "int4-b
 
 
 def model_in(dtype: str):
-    model = make_model(LONG_WINDOW, seed=9, std=0.1)
-    if dtype.startswith("int4"):
-        return quantize_int4(model, 32, include_head=dtype == "int4")
-    if dtype.startswith("int8"):
-        return quantize_int8(model, include_head=dtype == "int8")
-    return model.to(getattr(torch, dtype))
+    return in_dtype(make_model(LONG_WINDOW, seed=9, std=0.1), dtype)
 
 
 def requests(seed: int = 5) -> list[Request]:

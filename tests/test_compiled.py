@@ -23,13 +23,12 @@ from helpers import (
     INT4_CONFIG,
     TINY_CONFIGS,
     assert_engine_matches_full_forward,
+    in_dtype,
     make_model,
     mixed_requests,
     run_and_record,
 )
 from model import GPTConfig, KVCache
-from model.int4 import quantize_int4
-from model.quant import quantize_int8
 
 CONFIG = TINY_CONFIGS["2x2x32"]
 
@@ -204,11 +203,8 @@ def test_a_lone_slots_steps_of_1_to_4_tokens_give_each_token_its_own_steps_bits(
     # With AVX-512 a lone slot's steps of 1 to 4 tokens are one library (dynamic width, the GEMM template's
     # rows): each row of a wider step has the bits of that token's own step, and agrees with eager's.
     # (fp32 and whole generations: tests/test_speculate.py's compiled test.)
-    model = make_model(dataclasses.replace(INT4_CONFIG, n_layer=1), seed=4, std=0.3)  # (a shorter compile)
-    if dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-    else:
-        model = quantize_int8(model) if dtype == "int8" else quantize_int4(model, 32)
+    config = dataclasses.replace(INT4_CONFIG, n_layer=1)  # (one layer: a shorter compile)
+    model = in_dtype(make_model(config, seed=4, std=0.3), dtype)
     cache = KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype)
     runner = Runner(model, cache, compile=True, widths=(1, 4))
     assert len({id(step) for step in runner._steps.values()}) == (1 if compiled.AVX512 else 2)
