@@ -36,3 +36,14 @@ def text_ckpt(tmp_path_factory: pytest.TempPathFactory):
     model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3)
     checkpoints.save(model, directory)
     return directory
+
+
+# The slowest modules first (each runs whole on one of the two workers), so no worker ends alone on one.
+SLOW_FIRST = ("test_batch_ray", "test_speculate", "test_server", "test_compiled", "test_shipped",
+              "test_prefix_consistency")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order the modules slowest first (a stable sort: the order within a module is kept)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(SLOW_FIRST)))
