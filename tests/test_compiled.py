@@ -8,12 +8,17 @@ window, alone and beside others, in fp32 and bf16.)
 
 import dataclasses
 import logging
+import os
 import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+import checkpoints
 import generate.engine.compiled as compiled
 import generate.engine.store as store
 from generate.engine.engine import Engine
@@ -65,6 +70,26 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
         assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)
         # The library's own pages of the weights, copied by its runner at load, are no longer resident.
         assert constants_resident_kib(path) <= 8
+
+
+def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(tmp_path):
+    # As a user runs it: the command, with a home, a temporary directory and a working directory of its own
+    # and no cache settings. Inductor's own files (kernels, the library before packaging, precompiled headers)
+    # are made in the compile's working directory and deleted with it.
+    ckpt = tmp_path / "ckpt"
+    checkpoints.save(make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3), ckpt)
+    home = tmp_path / "home"
+    (home / "tmp").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPTGEN_", "TORCHINDUCTOR_", "XDG_"))}
+    env |= {"HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+    for options, written in [([], set()), (["--compile"], {".so", ".lock"})]:
+        command = [sys.executable, "-m", "generate", "To be", "-c", str(ckpt), "-n", "3", *options]
+        done = subprocess.run(command, cwd=home, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout, done.stderr
+        files = [p.relative_to(home) for p in home.rglob("*") if p.is_file()]
+        assert len(files) == len(written) and {p.suffix for p in files} == written, files
+        assert all(p.parent == Path(".cache/gptgen/steps") for p in files), files
 
 
 def constants_resident_kib(path) -> int:

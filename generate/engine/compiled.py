@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch._inductor.utils import fresh_cache
 
 import model as model_package
 from generate.engine import memory, runner, store
@@ -38,7 +39,8 @@ Progress = Callable[[str], None] | None
 # bits from the template do not depend on how many there are: a lone slot's widths share one library.
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
-CPU_OPTIONS = {"freezing": True, "max_autotune": True}
+CPU_OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.precompile_headers": False}
+_COMPILING = threading.Lock()  # one compile at a time: inductor's cache directory is the process's
 
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
 COMPILE_FIXED_BYTES = 512 * 2**20
@@ -120,7 +122,6 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
     """Export and AOT-compile the step for ``widths`` (all between the first and the last); keep the package's
     shared library as ``path`` (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    store.use_inductor_cache()
     low, width = widths[0], widths[-1]
     label = f"{low}-{width}" if low < width else f"{width}"
     rows = f"{cache.slots} row{'s' * (cache.slots != 1)}" + (f" x {label} tokens" if width > 1 else "")
@@ -131,6 +132,8 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
         torch.no_grad(),  # inductor freezes (folds and prepacks the weights) only with grad off
         warnings.catch_warnings(),
         tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work,
+        _COMPILING,
+        fresh_cache(dir=work),  # inductor's files, deleted after (with no precompiled headers, kept in /tmp)
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
