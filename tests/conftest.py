@@ -8,6 +8,8 @@ import os
 # OpenMP's setting, read when torch loads; subprocesses inherit it): spinning, a test of two threads or a
 # subprocess using both cores ran up to 20x slower beside the other worker.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch.compile's C++ kernels (tested on the CPU) without precompiled headers: inductor keeps them in /tmp.
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
 
 import pytest
 import torch
@@ -30,7 +32,9 @@ torch.set_num_threads(1)
 def _own_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test its own cache directory (compiled steps, inductor's caches), never the user's own;
     subprocesses (the CLI) inherit it. Tests that share a compile set GPTGEN_CACHE_DIR themselves."""
-    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(tmp_path_factory.mktemp("gptgen-cache")))
+    directory = tmp_path_factory.mktemp("gptgen-cache")
+    monkeypatch.setenv("GPTGEN_CACHE_DIR", str(directory))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))  # (torch.compile's: CUDA's)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch._inductor.utils import fresh_cache
 
 import model as model_package
 from generate.engine import memory, runner, store
@@ -51,8 +50,7 @@ def check_compile_memory(model: GPT) -> None:
     """Refuse to compile (MemoryError naming the figures and what to do) where it would run out of memory."""
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     needed = COMPILE_FIXED_BYTES + COMPILE_BYTES_PER_WEIGHT_BYTE * weights
-    free = memory.available_memory(model.device)
-    if free is not None and needed > free:
+    if (free := memory.available_memory(model.device)) is not None and needed > free:
         raise MemoryError(
             f"compiling the decode step needs about {needed / 2**30:.1f} GiB (about "
             f"{COMPILE_BYTES_PER_WEIGHT_BYTE}x the weights' {weights / 2**20:,.0f} MiB) but only "
@@ -121,6 +119,8 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
 def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths: tuple[int, ...]) -> None:
     """Export and AOT-compile the step for ``widths`` (all between the first and the last); keep the package's
     shared library as ``path`` (atomically)."""
+    from torch._inductor.utils import fresh_cache  # (here: its import points inductor's cache to /tmp)
+
     path.parent.mkdir(parents=True, exist_ok=True)
     low, width = widths[0], widths[-1]
     label = f"{low}-{width}" if low < width else f"{width}"
