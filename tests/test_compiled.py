@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-import checkpoints
 import generate.engine.compiled as compiled
 import generate.engine.store as store
 from generate.engine.engine import Engine
@@ -72,24 +72,34 @@ def test_one_compile_serves_every_engine_of_its_width_and_a_damaged_library_is_c
         assert constants_resident_kib(path) <= 8
 
 
-def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(tmp_path):
+def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(text_ckpt, tmp_path):
     # As a user runs it: the command, with a home, a temporary directory and a working directory of its own
-    # and no cache settings. Inductor's own files (kernels, the library before packaging, precompiled headers)
-    # are made in the compile's working directory and deleted with it.
-    ckpt = tmp_path / "ckpt"
-    checkpoints.save(make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3), ckpt)
+    # and no cache settings. Inductor's own files (kernels, the library before packaging) are made in the
+    # compile's working directory and deleted with it; importing torch's compiler makes an empty directory
+    # where inductor's cache goes by default.
     home = tmp_path / "home"
     (home / "tmp").mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPTGEN_", "TORCHINDUCTOR_", "XDG_"))}
-    env |= {"HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
+    unset = ("GPTGEN_", "TORCHINDUCTOR_", "TRITON_", "XDG_", "TORCH_HOME", "HF_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(unset)}
+    env |= {
+        "HOME": str(home),
+        "TMPDIR": str(home / "tmp"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
-    for options, written in [([], set()), (["--compile"], {".so", ".lock"})]:
-        command = [sys.executable, "-m", "generate", "To be", "-c", str(ckpt), "-n", "3", *options]
+    steps, default = Path(".cache/gptgen/steps"), Path("tmp", Path(default_cache_dir()).name)
+    for options, written, folders in [
+        ([], set(), {Path("tmp")}),
+        (["--compile"], {".so", ".lock"}, {Path("tmp"), default, Path(".cache"), steps.parent, steps}),
+    ]:
+        command = [sys.executable, "-m", "generate", "To be", "-c", str(text_ckpt), "-n", "3", *options]
         done = subprocess.run(command, cwd=home, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0 and done.stdout, done.stderr
-        files = [p.relative_to(home) for p in home.rglob("*") if p.is_file()]
-        assert len(files) == len(written) and {p.suffix for p in files} == written, files
-        assert all(p.parent == Path(".cache/gptgen/steps") for p in files), files
+        paths = {p.relative_to(home) for p in home.rglob("*")}
+        files = {p for p in paths if (home / p).is_file()}
+        assert len(files) == len(written) and {p.suffix for p in files} == written, paths
+        assert all(p.parent == steps for p in files) and paths - files <= folders, paths
 
 
 def constants_resident_kib(path) -> int:

@@ -119,7 +119,7 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
 def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths: tuple[int, ...]) -> None:
     """Export and AOT-compile the step for ``widths`` (all between the first and the last); keep the package's
     shared library as ``path`` (atomically)."""
-    from torch._inductor.utils import fresh_cache  # (here: its import points inductor's cache to /tmp)
+    from torch._inductor.utils import fresh_cache  # (imported here: eager processes import no inductor)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     low, width = widths[0], widths[-1]
@@ -133,7 +133,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
         warnings.catch_warnings(),
         tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work,
         _COMPILING,
-        fresh_cache(dir=work),  # inductor's files, deleted after (with no precompiled headers, kept in /tmp)
+        fresh_cache(dir=work),  # inductor's files, deleted after (headers off: it would keep them in /tmp)
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
