@@ -128,11 +128,11 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
     what = (f"compiling the decode step ({rows} x {cache.max_len} positions; half a minute or more, once per "
             "checkpoint, dtype and width)")  # fmt: skip
     with (
+        _COMPILING,  # (first: a compile waiting for another does not say it is compiling)
         _progress(what, progress),
         torch.no_grad(),  # inductor freezes (folds and prepacks the weights) only with grad off
         warnings.catch_warnings(),
         tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work,
-        _COMPILING,
         fresh_cache(dir=work),  # inductor's files, deleted after (headers off: it would keep them in /tmp)
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
