@@ -3,6 +3,7 @@ and saved here, never downloaded)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -34,6 +35,17 @@ TINY_CONFIGS = {
 # For int4 (its group sizes must divide every linear layer's input width): 64 and 256, a 97-token vocabulary
 # (a head padded to 128 rows), and TINY_CONFIGS["5x3x48"]'s vocabulary and window.
 INT4_CONFIG = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=3, n_head=2)
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the project
+
+
+def command_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for a command in a subprocess: the project importable, one thread
+    (the suite's other worker has the other core)."""
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def make_model(config: GPTConfig, seed: int = 0, std: float = 0.02) -> GPT:

@@ -20,8 +20,8 @@ import pytest
 
 import generate
 from generate.tools.batch import Defaults, run_file
+from helpers import ROOT, command_env
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"prompt": f"Row {i} of the batch:", "id": i, "seed": 100 + i, "temperature": 0.9} for i in range(12)]
 ROWS += [
     {"prompt": "Greedy, please", "id": 12, "seed": None, "temperature": 0.0},
@@ -80,8 +80,7 @@ def read_parts(folder) -> list[dict]:
 
 def gptgen_batch(*args) -> subprocess.CompletedProcess:
     """``gptgen batch ARGS`` in its own process (no terminal, so no progress bar)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = command_env()
     command = [sys.executable, "-m", "generate.tools.gptgen", "batch", *map(str, args)]
     options = {"stdin": subprocess.DEVNULL, "capture_output": True, "text": True, "timeout": 600}
     return subprocess.run(command, cwd=ROOT, env=env, **options)
@@ -173,7 +172,6 @@ def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
 
 
 def test_only_the_yielded_stream_reaches_the_console_while_ray_runs(capfd):
-    import os
 
     from generate.tools.ray_batch import console_to_null
 

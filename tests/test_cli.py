@@ -2,20 +2,17 @@
 
 import io
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import checkpoints
 import generate
 from generate.tools.cli import build_parser, main
-from helpers import make_model
+from helpers import ROOT, command_env, make_model
 from model import GPTConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, n_positions=128)
 CLI_DEFAULTS = {"temperature": 0.8, "top_p": 0.95}  # the command's sampling defaults
 SAMPLING_FLAGS = (
@@ -45,8 +42,7 @@ def gen(ckpt) -> generate.Generator:
 
 
 def run_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = command_env()
     return subprocess.run(
         [sys.executable, "-m", "generate", *args],
         cwd=ROOT,

@@ -28,6 +28,7 @@ from helpers import (
     INT4_CONFIG,
     TINY_CONFIGS,
     assert_engine_matches_full_forward,
+    command_env,
     in_dtype,
     make_model,
     mixed_requests,
@@ -80,14 +81,8 @@ def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(text_
     home = tmp_path / "home"
     (home / "tmp").mkdir(parents=True)
     unset = ("GPTGEN_", "TORCHINDUCTOR_", "TRITON_", "XDG_", "TORCH_HOME", "HF_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(unset)}
-    env |= {
-        "HOME": str(home),
-        "TMPDIR": str(home / "tmp"),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), env.get("PYTHONPATH")]))
+    env = command_env({k: v for k, v in os.environ.items() if not k.startswith(unset)})
+    env |= {"HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONDONTWRITEBYTECODE": "1"}
     steps, default = Path(".cache/gptgen/steps"), Path("tmp", Path(default_cache_dir()).name)
     for options, written, folders in [
         ([], set(), {Path("tmp")}),

@@ -1,22 +1,19 @@
 """The ``gptgen`` command: its subcommands, in process through ``generate.tools.gptgen.main`` and as a
 module."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from generate.tools import cli, gptgen
+from helpers import ROOT, command_env
 
-ROOT = Path(__file__).resolve().parent.parent
 GREEDY_ARGS = ["To be", "-n", "3", "--seed", "1", "-t", "0"]
 
 
 def run_gptgen(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = command_env()
     return subprocess.run(
         [sys.executable, "-m", "generate.tools.gptgen", *args],
         cwd=ROOT,
