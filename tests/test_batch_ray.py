@@ -172,7 +172,6 @@ def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
 
 
 def test_only_the_yielded_stream_reaches_the_console_while_ray_runs(capfd):
-
     from generate.tools.ray_batch import console_to_null
 
     print("before", file=sys.stderr)
