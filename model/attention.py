@@ -59,10 +59,8 @@ class CausalAttention(nn.Module):
     def _blocked(self, t: int) -> torch.Tensor:
         """The reference mask for ``t`` positions from 0: (T, T), True where a query may not attend."""
         if t > self.context_length:
-            raise ValueError(
-                f"sequence of {t} positions exceeds this attention's context_length "
-                f"({self.context_length}); shorten the input"
-            )
+            msg = f"sequence of {t} positions exceeds this attention's context_length ({self.context_length})"
+            raise ValueError(f"{msg}; shorten the input")
         if t > self.mask.shape[0]:  # past the kept buffer: this call's own
             return self._causal_mask(self.mask.device, t)
         return self.mask[:t, :t]

@@ -189,9 +189,7 @@ class GPT(nn.Module):
         b, t = ids.shape
         shape = None if positions is None else tuple(positions.shape)
         if shape != (b, t):
-            raise ValueError(
-                f"a cached forward needs positions of shape {(b, t)}, one per token; got {shape}"
-            )
+            raise ValueError(f"cached forward needs positions of shape {(b, t)}, one per token; got {shape}")
         if slot is None and b != cache.slots:
             raise ValueError(
                 f"the cache has {cache.slots} slots but the input has {b} rows; pass one row per slot, "

@@ -60,7 +60,7 @@ def test_input_errors_name_the_limit():
         model(torch.zeros(1, 0, dtype=torch.long))
     cache = KVCache(config, 2, 8)
     ids, pos = torch.zeros(2, 4, dtype=torch.long), torch.arange(4).expand(2, -1)
-    with pytest.raises(ValueError, match=r"a cached forward needs positions of shape \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"cached forward needs positions of shape \(2, 4\)"):
         model(ids, cache=cache)
     with pytest.raises(ValueError, match="the cache has 2 slots but the input has 1 rows"):
         model(ids[:1], positions=pos[:1], cache=cache)

@@ -127,6 +127,18 @@ def test_any_proposals_give_the_tokens_and_logprobs_of_none_bit_for_bit(model, d
             assert 0 < stats["accepted"] < stats["proposed"]
 
 
+@pytest.mark.parametrize("slots", [1, 8])
+def test_a_draft_samples_at_the_requests_own_numbers_so_a_draft_that_agrees_is_taken(model, slots):
+    # The target as its own draft: proposals are its samples at each position (at the request's seed), so
+    # almost all are taken; the random model's argmax would match a sample at temperature 0.9 a few times in
+    # a hundred. (Not all: a verifying step's logits may differ in the last bits, and a sample near a boundary
+    # of the draw with them.)
+    ps = prompts(24, seed=7)
+    speculator = Speculator(DraftProposer(model, slots), lookahead=4)
+    assert_same_tokens(run(model, ps, SEEDED, speculator, slots), run(model, ps, SEEDED, slots=slots))
+    assert speculator.stats()["acceptance_rate"] > 0.95
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_speculation_gives_a_plain_engines_tokens_and_its_logprobs_within_tolerance(model, sampling):
     ps = prompts(40, seed=5)

@@ -109,14 +109,15 @@ class Request:
         return self.finish_reason is not None
 
     def start(self, token_bytes: Callable[[int], bytes] | None) -> int:
-        """Reset the results (a request can be run again) and return the seed of its draws."""
+        """Reset the results (a request can be run again); return the seed of its draws, ``drawn_seed``."""
         self.token_ids, self.logprobs_list, self.top_list = [], [], []
         self.finish_reason = self.error = None
         if token_bytes is not None:
             self.text = TextTracker(token_bytes, self.stop)
         elif self.stop:
             raise ValueError("stop strings need the engine to have a tokenizer; pass token_bytes=")
-        return secrets.randbits(64) if self.seed is None else self.seed
+        self.drawn_seed = secrets.randbits(64) if self.seed is None else self.seed
+        return self.drawn_seed
 
     def record(self, token: int, window: int) -> None:
         """Append a chosen token; finish the request if it ends one (EOS, a stop string, budget, window)."""

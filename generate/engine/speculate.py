@@ -14,6 +14,7 @@ import torch
 
 from generate.engine.request import Request
 from generate.engine.runner import Runner
+from generate.engine.sampling import draw, uniform
 from model import GPT, KVCache
 
 DEFAULT_LOOKAHEAD = 4
@@ -50,9 +51,9 @@ class NgramProposer:
 
 
 class DraftProposer:
-    """A draft ``model`` (eval mode, on the target's device, sharing the tokenizer) guesses greedily over a
-    KV cache of its own, a slot per engine slot. It keeps what it was fed while that still matches the
-    request's tokens, so each step feeds only what is new: the tokens chosen since, then its own guesses."""
+    """A draft ``model`` (eval mode, on the target's device, sharing the tokenizer) chooses as the request
+    would, at its random numbers (penalties aside), over a KV cache of its own, a slot per engine slot. It
+    keeps what it was fed while that still matches the request's tokens: each step feeds only what is new."""
 
     def __init__(self, model: GPT, slots: int) -> None:
         self.model, window = model.eval(), model.config.n_positions
@@ -75,10 +76,11 @@ class DraftProposer:
         same = next((i for i, (a, b) in enumerate(zip(fed, history, strict=False)) if a != b), len(fed))
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
         new, proposals = history[len(fed) :], []
-        for _ in range(k):
+        for i in range(k):  # (at position p the request draws at uniform(seed, p): so does its draft)
             logits = self.runner.prefill(new, slot, len(fed))
-            fed += new
-            new = [int(logits.argmax())]
+            u = 0.0 if request.sampling.greedy else uniform(request.drawn_seed, len(history) + i)
+            fed += new  # (in place: the slot's record)
+            new = [draw(logits.float(), request.sampling, u)]
             proposals.append(new[0])
         return proposals
 
