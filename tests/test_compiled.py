@@ -26,6 +26,7 @@ from generate.engine.runner import Runner
 from helpers import (
     FP32_TOL,
     INT4_CONFIG,
+    ROOT,
     TINY_CONFIGS,
     assert_engine_matches_full_forward,
     command_env,
@@ -200,6 +201,33 @@ def test_prune_deletes_the_least_recently_used_libraries_down_to_the_limit(tmp_p
     assert deleted == [paths[2], paths[1]]  # 4,000 bytes: two go (never the kept one) to reach 2,000
     assert sorted(tmp_path.glob("*.so")) == [paths[0], paths[3]]
     assert store.prune(tmp_path, kept, limit=2000) == []  # within the limit: nothing more
+
+
+def test_a_killed_compiles_working_folder_goes_at_the_next_prune_unless_its_key_is_locked(tmp_path):
+    # A compile killed midway: its working folder (inductor's files, soon as large as the weights) stays.
+    # The next prune deletes it, but not while a compile of its key (here: this test) holds the key's lock.
+    import fcntl
+    import time
+
+    code = ("from helpers import TINY_CONFIGS, make_model; from generate.engine.engine import Engine; "
+            "Engine(make_model(TINY_CONFIGS['2x2x32']), slots=1, compile=True)")  # fmt: skip
+    env = command_env() | {"GPTGEN_CACHE_DIR": str(tmp_path)}
+    compiling = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT / "tests", env=env, stderr=subprocess.DEVNULL
+    )
+    steps, deadline = tmp_path / "steps", time.monotonic() + 120
+    while not list(steps.glob(".compiling-*/*")) and compiling.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    compiling.kill()
+    compiling.wait()
+    (work,) = steps.glob(".compiling-*")
+    (lock,) = steps.glob("*.lock")
+    assert work.name.startswith(f".compiling-{lock.stem}-") and not list(steps.glob("*.so"))
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert store.prune(steps, steps / "none.so", limit=0) == [] and work.is_dir()  # its compile runs
+    store.prune(steps, steps / "none.so", limit=0)
+    assert not work.exists() and lock.exists()
 
 
 def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatch):

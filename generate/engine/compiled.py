@@ -132,7 +132,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
         _progress(what, progress),
         torch.no_grad(),  # inductor freezes (folds and prepacks the weights) only with grad off
         warnings.catch_warnings(),
-        tempfile.TemporaryDirectory(dir=path.parent, prefix=".compiling-") as work,
+        tempfile.TemporaryDirectory(dir=path.parent, prefix=f".compiling-{path.stem}-") as work,
         fresh_cache(dir=work),  # inductor's files, deleted after (headers off: it would keep them in /tmp)
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
@@ -196,7 +196,6 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
     """The step compiled by ``torch.compile`` in this process (CUDA: ``reduce-overhead``), run once; it
     reads the whole cache whatever span it is given."""
-    store.use_inductor_cache()
 
     def step(tokens: torch.Tensor, positions: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         # The buffers are inputs, not captured: a graph dynamo keeps serves another engine's cache too.

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import mmap
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,17 +40,18 @@ def cache_limit_bytes() -> int:
     return int(min(gib, 2.0**40) * 2**30)
 
 
-def use_inductor_cache() -> None:
-    """Point inductor's own cache (its compiled kernels) into ours, if it can be made."""
-    directory = cache_dir() / "inductor"
-    with contextlib.suppress(OSError):
-        directory.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory))
-
-
 def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
-    """Delete the least recently used libraries in ``directory`` (by modification time, which each load
+    """In ``directory``, delete killed compiles' working folders (``.compiling-<key>-*``, their key's lock
+    free: a compile holds it), then the least recently used libraries (by modification time, which each load
     renews) until they take at most ``limit`` bytes, never ``keep``. Returns the libraries deleted."""
+    with contextlib.suppress(ImportError):
+        import fcntl
+
+        for work in directory.glob(".compiling-*-*"):
+            lock = directory / f"{work.name.removeprefix('.compiling-').rsplit('-', 1)[0]}.lock"
+            with contextlib.suppress(OSError), open(lock) as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (OSError while its compile runs)
+                shutil.rmtree(work)
     libraries = []
     for path in directory.glob("*.so"):
         with contextlib.suppress(OSError):
