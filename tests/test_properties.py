@@ -129,7 +129,21 @@ def test_engine_rows_reaching_the_window_end_equal_recomputation(config, data):
     rows = generate_ids(model, prompts, max_new_tokens=n, sampling=GREEDY, eos_id=None, slots=slots)
     for p, row in zip(prompts, rows, strict=True):
         assert len(p) + len(row.token_ids) == n and row.finish_reason == "length"
-        assert row.token_ids == greedy_by_recomputation(model, p, n)
+        assert same_but_for_a_near_tie(model, p, row.token_ids, greedy_by_recomputation(model, p, n))
+
+
+def same_but_for_a_near_tie(model, prompt: list[int], tokens: list[int], reference: list[int]) -> bool:
+    """Whether greedy ``tokens`` equal the ``reference`` (by recomputation), or first differ where the full
+    forward's two largest logits are the two tokens and within the prefix tolerance of each other (the cache
+    sums in another order, so either may come out on top: docs/engine.md)."""
+    first = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None)
+    if first is None:
+        return True
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + reference[:first]]))[0, -1]
+    top = logits.topk(2)
+    near = float(top.values[0] - top.values[1]) <= FP32_TOL * float(logits.abs().max())
+    return near and {tokens[first], reference[first]} == set(top.indices.tolist())
 
 
 def extremes(low: float, high: float, *, low_open: bool = False, high_open: bool = False):
