@@ -18,15 +18,8 @@ CHUNK = 64
 class CausalAttention(nn.Module):
     """GPT-2's multi-head causal self-attention (fused ``c_attn``, ``c_proj``); uncached, the reference."""
 
-    def __init__(
-        self,
-        d_in: int,
-        d_out: int,
-        context_length: int,
-        dropout: float = 0.0,
-        num_heads: int = 1,
-        qkv_bias: bool = False,
-    ) -> None:
+    def __init__(self, d_in: int, d_out: int, context_length: int, dropout: float = 0.0, num_heads: int = 1,
+                 qkv_bias: bool = False) -> None:  # fmt: skip
         super().__init__()
         if min(d_in, d_out, context_length, num_heads) <= 0:
             raise ValueError(
@@ -70,8 +63,7 @@ class CausalAttention(nn.Module):
         q, k, _ = self._qkv(x)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, nh, T, T)
         scores = scores.masked_fill(self._blocked(x.shape[1]), float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        return F.dropout(weights, self.dropout, training=self.training)
+        return F.dropout(torch.softmax(scores, dim=-1), self.dropout, training=self.training)
 
     def forward(
         self,

@@ -15,15 +15,8 @@ class KVCache:
     ``lengths``). Nothing is written past ``max_len``; ``positions`` rounds it up to whole chunks (of
     :data:`model.attention.CHUNK`). Layers' buffers are separate tensors: a compiled step's inputs."""
 
-    def __init__(
-        self,
-        config: GPTConfig,
-        slots: int,
-        max_len: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
         if slots <= 0:
             raise ValueError(f"slots must be positive, got {slots}")
         if not 0 < max_len <= config.n_positions:

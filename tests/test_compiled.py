@@ -98,6 +98,32 @@ def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(text_
         assert all(p.parent == steps for p in files) and paths - files <= folders, paths
 
 
+def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy():
+    # A step of one row of an unquantized model: its library holds no weights and reads the model's tensors
+    # themselves (a process holds them once): a weight changed in place changes its logits as it does eager's.
+    model = make_model(CONFIG, seed=8, std=0.3)
+    runner = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions), compile=True)
+    eager = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions))
+
+    def step() -> list[torch.Tensor]:
+        with torch.inference_mode():
+            for r in (runner, eager):
+                r.prefill([3, 1, 4], 0)
+            return [r.decode(torch.tensor([5]), torch.tensor([3])) for r in (runner, eager)]
+
+    before, _ = step()
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(-1)
+    after, reference = step()
+    assert not torch.equal(after, before)
+    assert (after - reference).abs().max() <= FP32_TOL * reference.abs().max()
+    (library,) = (store.cache_dir() / "steps").glob("*.so")
+    names = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1).get_constant_names_to_original_fqns()
+    assert "model.h.0.mlp.c_fc.weight" in names.values()
+    start, end = store.constants_span(library)
+    assert end - start <= 8  # (no weights inside: the library's section of them is empty)
+
+
 def constants_resident_kib(path) -> int:
     """KiB resident of the mapping holding a loaded library's weights (its ``.lrodata``), after checking
     that the weights take more than a few pages (so a resident copy would show)."""
@@ -149,7 +175,7 @@ def fake_package(calls: list[int]):
 def test_two_engines_wanting_the_same_step_at_once_compile_it_once(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(compiled, "_package", fake_package(calls))
-    monkeypatch.setattr(store, "load", lambda path: (lambda *inputs: None) if path.exists() else None)
+    monkeypatch.setattr(store, "load", lambda path, _: (lambda *inputs: None) if path.exists() else None)
     model = make_model(CONFIG, seed=7)
     threads = [threading.Thread(target=compiled.packaged_step, args=(model, KVCache(CONFIG, 2, 64)))
                for _ in range(2)]  # fmt: skip
@@ -163,7 +189,7 @@ def test_two_engines_wanting_the_same_step_at_once_compile_it_once(monkeypatch):
 def test_an_unwritable_cache_directory_compiles_for_this_process_only(monkeypatch, caplog, tmp_path):
     calls: list[int] = []
     monkeypatch.setattr(compiled, "_package", fake_package(calls))
-    monkeypatch.setattr(store, "load", lambda path: (lambda *inputs: None) if path.exists() else None)
+    monkeypatch.setattr(store, "load", lambda path, _: (lambda *inputs: None) if path.exists() else None)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("GPTGEN_CACHE_DIR", str(blocker / "cache"))  # a directory that cannot be made

@@ -18,6 +18,7 @@ import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -39,6 +40,14 @@ Progress = Callable[[str], None] | None
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 TEMPLATE_ROWS = 4
 CPU_OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.precompile_headers": False}
+# But a step of one row of an unquantized model runs each product as inductor's reduction over the weights'
+# plain rows (its decompose_mm_pass; as fast), nothing frozen: the library holds no weights, and is given the
+# model's own at load (user-managed constants), so a process holds them once.
+OWN_OPTIONS = {
+    "aot_inductor.precompile_headers": False,
+    "aot_inductor.package_constants_in_so": False,
+    "post_grad_fusion_options": {"decompose_mm_pass": {"skip_dynamic_shape_dim_check": True}},
+}
 _COMPILING = threading.Lock()  # one compile at a time: inductor's cache directory is the process's
 
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
@@ -75,6 +84,15 @@ def step_key(model: GPT, cache: KVCache, widths: tuple[int, ...] = (1,)) -> str:
              torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), widths]  # fmt: skip
     h.update(json.dumps(facts).encode())
     return h.hexdigest()
+
+
+def own_weights(model: GPT, cache: KVCache, widths: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """The model's tensors by the names the step's library has for them where it is given them (one row, no
+    quantized weights; see :data:`OWN_OPTIONS`), else None."""
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    if cache.slots * widths[-1] > 1 or any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
+        return None
+    return {f"model.{name}": t for name, t in named}
 
 
 class _Step(torch.nn.Module):
@@ -134,6 +152,7 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
         warnings.catch_warnings(),
         tempfile.TemporaryDirectory(dir=path.parent, prefix=f".compiling-{path.stem}-") as work,
         fresh_cache(dir=work),  # inductor's files, deleted after (headers off: it would keep them in /tmp)
+        contextlib.ExitStack() as stack,
     ):
         warnings.filterwarnings("ignore", category=FutureWarning)  # torch's own notices, not the user's
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
@@ -151,6 +170,11 @@ def _package(model: GPT, cache: KVCache, path: Path, progress: Progress, widths:
         package = Path(work) / "step.pt2"
         gemm = "CPP" if AVX512 and cache.slots * width <= TEMPLATE_ROWS else "ATEN"
         options = {**CPU_OPTIONS, "max_autotune_gemm_backends": gemm}
+        if own_weights(model, cache, widths) is not None:  # (the pass reads its size limits once, at import)
+            from torch._inductor.fx_passes import decompose_mem_bound_mm as limits
+
+            stack.enter_context(mock.patch.object(limits, "cpu_max_other_dimension_decomposition", 2**31))
+            options = OWN_OPTIONS
         torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                  inductor_configs=options)  # fmt: skip
         # Keep the package's one shared library alone: a later process loads it without unpacking a zip.
@@ -168,15 +192,15 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
     compiled first if it is not there."""
     limit = store.cache_limit_bytes()  # (a bad setting refused before a compile, not after)
     path = store.cache_dir() / "steps" / f"{step_key(model, cache, widths)}.so"
-    step = store.load(path)
+    step = store.load(path, own := own_weights(model, cache, widths))
     if step is None:
         check_compile_memory(model)  # (before the lock: a refusal writes nothing)
         try:
             with store.compile_lock(path):
-                step = store.load(path)  # another process may have compiled it meanwhile
+                step = store.load(path, own)  # another process may have compiled it meanwhile
                 if step is None:
                     _package(model, cache, path, progress, widths)
-                    step = store.load(path)
+                    step = store.load(path, own)
                     store.prune(path.parent, path, limit)
         except OSError as e:  # the cache directory cannot be written: compile for this process alone
             advice = "set GPTGEN_CACHE_DIR to a writable directory to keep it"
@@ -185,7 +209,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
             # (the loaded library stays mapped once its directory is gone)
             with tempfile.TemporaryDirectory(prefix="gptgen-step-", ignore_cleanup_errors=True) as directory:
                 _package(model, cache, Path(directory) / path.name, progress, widths)
-                step = store.load(Path(directory) / path.name)
+                step = store.load(Path(directory) / path.name, own)
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
     sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
@@ -218,12 +242,12 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
 def compile_steps(model: GPT, cache: KVCache, progress: Progress = None,
                   widths: tuple[int, ...] = (1,)) -> dict[int, Step]:  # fmt: skip
     """The compiled steps of ``model`` over ``cache`` for ``widths`` (width -> :data:`Step`): on the CPU a
-    library each, but a lone slot's widths up to :data:`TEMPLATE_ROWS` share one (with AVX-512); on CUDA
-    ``torch.compile``'s, one each."""
+    library each, but a speculating lone slot's widths up to :data:`TEMPLATE_ROWS` share one (with AVX-512);
+    on CUDA ``torch.compile``'s, one each."""
     if model.device.type != "cpu":
         return {w: jit_step(model, cache, progress, w) for w in sorted(set(widths))}
     steps = {}
-    if AVX512 and cache.slots == 1 and min(widths) <= TEMPLATE_ROWS:
+    if AVX512 and cache.slots == 1 and max(widths) > 1:  # (else: its own)
         shared = packaged_step(model, cache, progress, (1, TEMPLATE_ROWS))
         steps = dict.fromkeys(range(1, TEMPLATE_ROWS + 1), shared)
     return steps | {w: packaged_step(model, cache, progress, (w,)) for w in set(widths) - set(steps)}

@@ -50,18 +50,10 @@ class Engine:
     ``"error"``, ``error`` says why); the others go on as if it had not been there. ValueError for ``slots``
     or ``max_len`` out of range; MemoryError (checked first) where cache and working memory do not fit."""
 
-    def __init__(
-        self,
-        model: GPT,
-        *,
-        slots: int = 8,
-        max_len: int | None = None,
-        token_bytes: Callable[[int], bytes] | None = None,
-        vocab_limit: int | None = None,
-        compile: bool = False,
-        progress: Callable[[str], None] | None = None,
-        speculate: Speculator | None = None,
-    ) -> None:
+    def __init__(self, model: GPT, *, slots: int = 8, max_len: int | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None, vocab_limit: int | None = None,
+                 compile: bool = False, progress: Callable[[str], None] | None = None,
+                 speculate: Speculator | None = None) -> None:  # fmt: skip
         cfg, window = model.config, model.config.n_positions
         max_len = window if max_len is None else max_len
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:

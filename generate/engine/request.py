@@ -35,13 +35,8 @@ def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
         raise ValueError(f"the prompt has token id {bad[0]} outside the vocabulary 0..{vocab - 1}")
 
 
-def make_requests(
-    prompts: Sequence[Sequence[int]],
-    seed: int | Sequence[int | None] | None,
-    vocab: int,
-    window: int,
-    **fields: object,
-) -> list[Request]:
+def make_requests(prompts: Sequence[Sequence[int]], seed: int | Sequence[int | None] | None, vocab: int,
+                  window: int, **fields: object) -> list[Request]:  # fmt: skip
     """One :class:`Request` per prompt, all checked before any runs: ``seed`` is one for all or one per
     prompt; ``fields`` are the other :class:`Request` fields. An error names a bad prompt (``prompt i``)."""
     if not prompts:

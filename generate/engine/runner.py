@@ -22,15 +22,9 @@ class Runner:
     """Calls the model for the engine: steps of the ``widths`` given (tokens a slot; more verify proposals),
     with ``compile`` compiled (:func:`generate.engine.compiled.compile_steps`, told ``progress``)."""
 
-    def __init__(
-        self,
-        model: GPT,
-        cache: KVCache,
-        *,
-        compile: bool = False,
-        progress: Callable[[str], None] | None = None,
-        widths: tuple[int, ...] = (1,),
-    ) -> None:
+    def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False,
+                 progress: Callable[[str], None] | None = None,
+                 widths: tuple[int, ...] = (1,)) -> None:  # fmt: skip
         self.model, self.cache, self.compiled = model, cache, compile
         self._eager, self._steps = partial(forward_step, model, cache), {}  # (width -> its compiled step)
         if compile:
@@ -59,9 +53,7 @@ class Runner:
         """(slots, T) ids at consecutive positions -> logits (slots, T, V)."""
         device = self.model.device
         step = self._steps[tokens.shape[1]] if self.compiled else self._eager
-        return step(tokens.to(device), positions.to(device), self._span(positions))
-
-    def _span(self, positions: torch.Tensor) -> int:
-        """Cache positions a step reads: on the CPU up to the furthest row (the model rounds it up to whole
-        chunks); a GPU's kernels split their sums by their shapes, so there always the whole cache."""
-        return int(positions.max()) + 1 if self.model.device.type == "cpu" else self.cache.max_len
+        # The cache positions read: on the CPU up to the furthest row (the model rounds up to whole chunks); a
+        # GPU's kernels split their sums by their shapes, so there always the whole cache.
+        span = int(positions.max()) + 1 if device.type == "cpu" else self.cache.max_len
+        return step(tokens.to(device), positions.to(device), span)

@@ -170,17 +170,9 @@ def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     raise AssertionError("unreachable: the most likely token is always kept")
 
 
-def sample_row(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    u: float,
-    seen: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
-    *,
-    token: int | None = None,
-    logprobs: bool = False,
-    top: int = 0,
-) -> tuple[int, float | None, dict[int, float] | None]:
+def sample_row(logits: torch.Tensor, params: SamplingParams, u: float, seen: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None, *, token: int | None = None, logprobs: bool = False,
+               top: int = 0) -> tuple[int, float | None, dict[int, float] | None]:  # fmt: skip
     """Choose one row's next token from its (V,) ``logits`` at the uniform number ``u`` (unused when greedy),
     or take the given ``token``, and add it to the row's penalty state ``seen`` and ``counts`` (None without
     penalties). Returns (token, its log-probability under the model's own distribution with ``logprobs``,

@@ -67,13 +67,17 @@ def prune(directory: Path, keep: Path, limit: int) -> list[Path]:
     return deleted
 
 
-def load(path: Path) -> Callable[..., torch.Tensor] | None:
-    """The library at ``path`` loaded (as ``aoti_load_package`` does once unpacked), or None where there is
-    none or it does not load (a damaged file is compiled again and replaced)."""
+def load(path: Path, weights: dict[str, torch.Tensor] | None = None) -> Callable[..., torch.Tensor] | None:
+    """The library at ``path`` loaded (as ``aoti_load_package`` does once unpacked), given ``weights`` (by
+    name) where it holds none, or None where there is none or it does not load (a damaged file is compiled
+    again and replaced)."""
     if not path.exists():
         return None
     try:
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        if weights is not None:  # (used where they are, not copied: user-managed)
+            names = runner.get_constant_names_to_original_fqns()
+            runner.update_constant_buffer({n: weights[fqn] for n, fqn in names.items()}, False, True, True)
     except Exception as e:
         log.warning("could not load %s (%s); compiling it again", path, e)
         return None
