@@ -113,8 +113,10 @@ def _worker(kind: str, directory: str, dtype_name: str, group_size: int | None, 
         from generate import Generator, SamplingParams
         from generate.engine.request import Request
 
-        # int8-body / int4-body: quantized blocks, bf16 output head
-        model = checkpoints.load(directory, dtype=dtype_name, group_size=group_size, device=device)
+        # int8-body / int4-body: quantized blocks, bf16 output head; compiled, as generate.load loads it
+        model = checkpoints.load(
+            directory, dtype=dtype_name, group_size=group_size, device=device, plain=compiled
+        )
         greedy = SamplingParams(temperature=0)
         # "ours" and "compiled": the API's default (an engine as wide as the call; compiled, 1 row for one
         # prompt and 8 for more); "wide": deterministic=True, 8 rows for any call.

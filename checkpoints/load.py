@@ -272,6 +272,7 @@ def load(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     group_size: int | None = None,
+    plain: bool = False,
 ) -> GPT:
     """Load a GPT-2-family checkpoint and return the model in eval mode.
 
@@ -287,6 +288,9 @@ def load(
             ``"int8-body"``: the same with the tied embedding and output head kept in bf16; or ``"int4"`` /
             ``"int4-body"``: the same with 4-bit weights, one bf16 scale and zero per ``group_size`` weights.
         group_size: int4's group size, 32 (default), 64 or 128; only with ``"int4"`` and ``"int4-body"``.
+        plain: keep every weight in its plain layout, (out, in) rows contiguous, which a compiled step of one
+            row reads in place (``generate.load(..., compile=True)``); by default on the CPU the layouts its
+            eager products of a few rows read faster (:func:`_lay_out_weights`, :func:`_lay_out_head`).
 
     Returns:
         The model, in eval mode, on ``device`` in ``dtype``.
@@ -334,7 +338,7 @@ def load(
         for width in sorted(widths | ({cfg.n_embd} if include_head else set())):
             int4.check_group_size(group_size, width)  # before any weight is read
     model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
-    if not quantize and device.type == "cpu":
+    if not quantize and device.type == "cpu" and not plain:
         _lay_out_weights(model)
     if quantize and not include_head:
         model.wte.to(COMPUTE_DTYPE)  # the head stays bf16: its pieces are cast as read, never held in fp32
@@ -342,7 +346,7 @@ def load(
     # torch.empty_like on meta tensors, whose first call imports sympy (36 MiB resident from then on).
     model._apply(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device))
     model.reset_buffers()
-    if not quantize and dtype == torch.float32 and device.type == "cpu":
+    if not quantize and dtype == torch.float32 and device.type == "cpu" and not plain:
         _lay_out_head(model)
     if quantize:
         put = _QuantLoad(model, device, bits=bits, include_head=include_head, group_size=group_size).put

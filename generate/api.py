@@ -67,8 +67,8 @@ class Generator:
         draft: speculative decoding (:mod:`generate.engine.speculate`): ``"ngram"`` (prompt lookup) or a
             draft model sharing the tokenizer: with several rows the output is that of no proposals, bit
             for bit; a lone prompt gives the same tokens, logprobs within 1e-5 (compiled with AVX-512, its
-            steps of up to 4 tokens are its plain step's library: a plain run's bits). Compiled, a verifying
-            step of another width is compiled too (once per width, as a decode step).
+            steps of up to 4 tokens are one library: the bits of no proposals). Compiled, a verifying step
+            of another width is compiled too (once per width, as a decode step).
 
     Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
     one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.
@@ -393,7 +393,10 @@ def load(
         >>> gen = load("shakespeare")  # doctest: +SKIP
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
-    model = checkpoints.load(source, config=config, device=device, dtype=dtype, group_size=group_size)
+    # (compiled, the weights laid out plainly: a step of one row reads them in place)
+    model = checkpoints.load(
+        source, config=config, device=device, dtype=dtype, group_size=group_size, plain=compile
+    )
     if draft is not None and str(draft) != "ngram":
         draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size)
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+import checkpoints
 import generate.engine.compiled as compiled
 import generate.engine.store as store
 from generate.engine.engine import Engine
@@ -98,9 +99,17 @@ def test_eager_generation_writes_nothing_and_compiled_writes_only_its_step(text_
         assert all(p.parent == steps for p in files) and paths - files <= folders, paths
 
 
-def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy():
+def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text_ckpt):
     # A step of one row of an unquantized model: its library holds no weights and reads the model's tensors
     # themselves (a process holds them once): a weight changed in place changes its logits as it does eager's.
+    # Only over weights laid out plainly, as checkpoints.load(..., plain=True) leaves them (generate.load's
+    # when compiling); its default layouts for eager products get a library's prepacked copy.
+    cache = KVCache(CONFIG, 1, CONFIG.n_positions)
+    for plain in (True, False):
+        weights = checkpoints.load(text_ckpt, plain=plain).state_dict().values()
+        assert all(t.is_contiguous() for t in weights) == plain
+        own = compiled.own_weights(checkpoints.load(text_ckpt, plain=plain), cache, (1,))
+        assert (own is not None) == plain
     model = make_model(CONFIG, seed=8, std=0.3)
     runner = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions), compile=True)
     eager = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions))

@@ -88,9 +88,11 @@ def step_key(model: GPT, cache: KVCache, widths: tuple[int, ...] = (1,)) -> str:
 
 def own_weights(model: GPT, cache: KVCache, widths: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
     """The model's tensors by the names the step's library has for them where it is given them (one row, no
-    quantized weights; see :data:`OWN_OPTIONS`), else None."""
+    quantized weights, all laid out plainly: ``checkpoints.load(..., plain=True)``; :data:`OWN_OPTIONS`),
+    else None."""
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    if cache.slots * widths[-1] > 1 or any(t.dtype in (torch.int8, torch.uint8) for _, t in named):
+    if cache.slots * widths[-1] > 1 or any(t.dtype in (torch.int8, torch.uint8) or not t.is_contiguous()
+                                           for _, t in named):  # fmt: skip
         return None
     return {f"model.{name}": t for name, t in named}
 
