@@ -1,5 +1,5 @@
-"""Why a compiled process holds the weights twice: the two weight layouts inductor freezes into, timed for one
-token's row and for a prompt's rows, against eager.
+"""Why a compiled step of several rows holds a copy of the weights: the two layouts inductor freezes into,
+timed for one token's row and for a prompt's rows, against eager.
 
     python bench/layouts.py                       # fp32 and bf16, 1 and 512 rows
     python bench/layouts.py --dtypes bfloat16 --rows 1,4,64,512

@@ -394,8 +394,9 @@ def load(
         >>> gen.generate("To be, or not to be", max_new_tokens=40, seed=1).text  # doctest: +SKIP
     """
     # (compiled, the weights laid out plainly: a step of one row reads them in place)
+    plain = compile and not deterministic
     model = checkpoints.load(
-        source, config=config, device=device, dtype=dtype, group_size=group_size, plain=compile
+        source, config=config, device=device, dtype=dtype, group_size=group_size, plain=plain
     )
     if draft is not None and str(draft) != "ngram":
         draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size)

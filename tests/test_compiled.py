@@ -106,10 +106,9 @@ def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text
     # when compiling); its default layouts for eager products get a library's prepacked copy.
     cache = KVCache(CONFIG, 1, CONFIG.n_positions)
     for plain in (True, False):
-        weights = checkpoints.load(text_ckpt, plain=plain).state_dict().values()
-        assert all(t.is_contiguous() for t in weights) == plain
-        own = compiled.own_weights(checkpoints.load(text_ckpt, plain=plain), cache, (1,))
-        assert (own is not None) == plain
+        loaded = checkpoints.load(text_ckpt, plain=plain)
+        assert all(t.is_contiguous() for t in loaded.state_dict().values()) == plain
+        assert (compiled.own_weights(loaded, cache, (1,)) is not None) == plain
     model = make_model(CONFIG, seed=8, std=0.3)
     runner = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions), compile=True)
     eager = Runner(model, KVCache(CONFIG, 1, CONFIG.n_positions))
@@ -131,6 +130,9 @@ def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text
     assert "model.h.0.mlp.c_fc.weight" in names.values()
     start, end = store.constants_span(library)
     assert end - start <= 8  # (no weights inside: the library's section of them is empty)
+    model.h[0].mlp.c_fc.weight.data = model.h[0].mlp.c_fc.weight.data.clone()  # (as model.to() does)
+    with pytest.raises(RuntimeError, match="the model's weights moved"):
+        step()
 
 
 def constants_resident_kib(path) -> int:

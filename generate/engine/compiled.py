@@ -46,7 +46,12 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.precompile_
 OWN_OPTIONS = {
     "aot_inductor.precompile_headers": False,
     "aot_inductor.package_constants_in_so": False,
-    "post_grad_fusion_options": {"decompose_mm_pass": {"skip_dynamic_shape_dim_check": True}},
+    "post_grad_fusion_options": {
+        "decompose_mm_pass": {
+            "skip_dynamic_shape_dim_check": True,
+            "cpu_max_other_dimension_decomposition": 2**31,
+        }
+    },
 }
 _COMPILING = threading.Lock()  # one compile at a time: inductor's cache directory is the process's
 
@@ -215,8 +220,16 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
     if step is None:
         raise RuntimeError(f"the compiled step {path} does not load; delete it and try again")
     sizes = {n: torch.empty(n, 0, device=model.device) for n in range(1, cache.k[0].shape[2] // CHUNK + 1)}
-    kv = (*cache.k, *cache.v)
-    return lambda ids, pos, span: step(ids, pos, sizes[-(-span // CHUNK)], model.embed(ids, pos), *kv)
+    kv, given = (*cache.k, *cache.v), [(t, t.data_ptr()) for t in (own or {}).values()]
+
+    def run(ids: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
+        if any(t.data_ptr() != address for t, address in given):  # (the library reads them there)
+            raise RuntimeError(
+                "the model's weights moved (converted or replaced) after its step was compiled"
+            )
+        return step(ids, pos, sizes[-(-span // CHUNK)], model.embed(ids, pos), *kv)
+
+    return run
 
 
 def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int = 1) -> Step:
