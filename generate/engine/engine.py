@@ -72,8 +72,8 @@ class Engine:
                                  widths=(width,) if slots > 1 else (1, width))  # fmt: skip
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        # request -> its seed and, once it runs, its penalties' state (a request is hashed by identity)
-        self._state: dict[Request, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}
+        # request -> once it runs, its penalties' state (a request is hashed by identity)
+        self._state: dict[Request, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self._prefilling: dict[int, int] = {}  # slot -> prompt positions written so far, in joining order
         self._pending = torch.zeros(slots, dtype=torch.long)  # each slot's token to feed next (0 when idle)
         self.chunk = PREFILL_CHUNK if slots > 1 else max_len  # (a lone slot stalls no one: one pass a prompt)
@@ -91,11 +91,11 @@ class Engine:
     def add(self, request: Request) -> Request:
         """Queue a request (checked now); it joins a free slot at the next :meth:`step`. Returns it."""
         check_prompt(request.prompt, self.model.config.vocab_size, self.cache.max_len)
-        seed = request.start(self.token_bytes)  # results reset and the seed fixed once, here
+        request.start(self.token_bytes)  # results reset and the seed fixed once, here
         if request.max_new_tokens == 0:
             request.finish("length")
         else:
-            self._state[request] = (seed, None, None)
+            self._state[request] = (None, None)
             self.waiting.append(request)
         return request
 
@@ -176,7 +176,7 @@ class Engine:
             prompt = torch.tensor(request.prompt, device=device)
             seen[prompt[prompt < self.vocab]] = True
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=device)
-            self._state[request] = (self._state[request][0], seen, counts)
+            self._state[request] = (seen, counts)
 
     def _choose(
         self, logits: torch.Tensor, rows: dict[int, int], proposals: dict[int, list[int]] | None = None
@@ -214,7 +214,7 @@ class Engine:
             self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
                        "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
             return None
-        seed, seen, counts = self._state[request]
+        seed, (seen, counts) = request.drawn_seed, self._state[request]
         u = 0.0 if request.sampling.greedy else uniform(seed, len(request.prompt) + len(request.token_ids))
         try:
             token, logprob, top = sample_row(row, request.sampling, u, seen, counts, token=chosen,
