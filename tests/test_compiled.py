@@ -135,6 +135,28 @@ def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text
         step()
 
 
+def test_a_library_given_the_models_weights_serves_another_checkpoint_of_the_same_shapes(monkeypatch):
+    # Its key leaves the weights' values out (it holds none): another model of the same shapes, every tensor
+    # different, runs on it without a compile and gets its own logits; one holding its weights is per model.
+    model, other = make_model(CONFIG, seed=8, std=0.3), make_model(CONFIG, seed=9, std=0.3)
+    with torch.no_grad():
+        for p in other.parameters():  # (the layer norms' too)
+            p.add_(torch.rand_like(p))
+    pairs = zip(model.state_dict().values(), other.state_dict().values(), strict=True)
+    assert all(not torch.equal(a, b) for a, b in pairs)
+    lone, two = KVCache(CONFIG, 1, CONFIG.n_positions), KVCache(CONFIG, 2, CONFIG.n_positions)
+    assert compiled.step_key(model, lone) == compiled.step_key(other, lone)
+    assert compiled.step_key(model, two) != compiled.step_key(other, two)
+    Runner(model, lone, compile=True)
+    monkeypatch.setattr(compiled, "_package", lambda *args: pytest.fail("compiled again"))
+    runners = [Runner(other, KVCache(CONFIG, 1, CONFIG.n_positions), compile=c) for c in (True, False)]
+    with torch.inference_mode():
+        for r in runners:
+            r.prefill([3, 1, 4], 0)
+        got, reference = (r.decode(torch.tensor([5]), torch.tensor([3])) for r in runners)
+    assert (got - reference).abs().max() <= FP32_TOL * reference.abs().max()
+
+
 def constants_resident_kib(path) -> int:
     """KiB resident of the mapping holding a loaded library's weights (its ``.lrodata``), after checking
     that the weights take more than a few pages (so a resident copy would show)."""

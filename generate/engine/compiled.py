@@ -74,14 +74,15 @@ def check_compile_memory(model: GPT) -> None:
 
 
 def step_key(model: GPT, cache: KVCache, widths: tuple[int, ...] = (1,)) -> str:
-    """The name of a compiled step: a digest of everything its library depends on."""
-    h = hashlib.blake2b(digest_size=16)
+    """The name of a compiled step: a digest of everything its library depends on (the weights' values only
+    where it holds them: a library given the model's own serves every checkpoint of the same shapes)."""
+    h, values = hashlib.blake2b(digest_size=16), own_weights(model, cache, widths) is None
     for path in [*sorted(Path(model_package.__file__).parent.glob("*.py")), runner.__file__, __file__]:
         h.update(Path(path).read_bytes())
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{t.stride()};".encode())  # (a layout is compiled in)
         t = t.detach().cpu().contiguous()
-        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if values and t.numel() else b"")
     cpu = platform.processor()
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
@@ -131,8 +132,7 @@ def _progress(what: str, progress: Progress, every: float = 15.0) -> Iterator[No
             say(f"  ... still compiling ({time.perf_counter() - start:.0f} s)")
 
     say(what)
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
+    (thread := threading.Thread(target=tick, daemon=True)).start()
     try:
         yield
     finally:
