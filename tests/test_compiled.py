@@ -138,8 +138,10 @@ def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text
 def test_a_library_given_the_models_weights_serves_another_checkpoint_of_the_same_shapes(monkeypatch):
     # Its key leaves the weights' values out (it holds none): another model of the same shapes, every tensor
     # different, runs on it without a compile and gets its own logits; one holding its weights is per model.
+    # One of the first model's weights all one value: folded into the library, it would be kept too.
     model, other = make_model(CONFIG, seed=8, std=0.3), make_model(CONFIG, seed=9, std=0.3)
     with torch.no_grad():
+        model.h[0].mlp.c_proj.weight.fill_(0.01)
         for p in other.parameters():  # (the layer norms' too)
             p.add_(torch.rand_like(p))
     pairs = zip(model.state_dict().values(), other.state_dict().values(), strict=True)
