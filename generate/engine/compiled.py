@@ -261,6 +261,9 @@ def compile_steps(model: GPT, cache: KVCache, progress: Progress = None,
     on CUDA ``torch.compile``'s, one each."""
     if model.device.type != "cpu":
         return {w: jit_step(model, cache, progress, w) for w in sorted(set(widths))}
+    if torch.__version__ < (2, 8):  # (its fresh_cache and user-managed constants)
+        raise RuntimeError(f"compiling on the CPU needs torch 2.8 or newer, not {torch.__version__}: "
+                           "pip install torch==2.13.0, or generate without compiling")  # fmt: skip
     steps = {}
     if AVX512 and cache.slots == 1 and max(widths) > 1:  # (else: its own)
         shared = packaged_step(model, cache, progress, (1, TEMPLATE_ROWS))

@@ -1,10 +1,6 @@
-"""Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md).
-
-A step feeds each slot its last token, then its proposals (padded to ``1 + lookahead``; a lone slot unpadded
-where its steps allow); the engine chooses as in a plain step while each choice equals the proposal, so
-whatever is proposed, the tokens are those of no proposals. The step's shape is not a plain step's: its
-logits' last bits (and so a near-tie) may differ from a plain engine's (a lone compiled slot's steps of 1 to 4
-tokens share one library: the bits of no proposals)."""
+"""Speculative decoding: proposals checked in one step, exact by construction (docs/engine.md). A step feeds
+each slot its last token, then its proposals; the engine chooses as in a plain step while each choice equals
+the proposal, so whatever is proposed, the tokens are those of no proposals."""
 
 from __future__ import annotations
 
