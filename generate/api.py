@@ -68,7 +68,8 @@ class Generator:
             draft model sharing the tokenizer: with several rows the output is that of no proposals, bit
             for bit; a lone prompt gives the same tokens, logprobs within 1e-5 (compiled with AVX-512, its
             steps of up to 4 tokens are one library: the bits of no proposals). Compiled, a verifying step
-            of another width is compiled too (once per width, as a decode step).
+            of another width is compiled too (once per width, as a decode step), and so is a draft model's
+            one-token step.
 
     Calls may overlap (threads, streams read in turn): each gives what it gives alone. ``lock`` is held while
     one adds to, steps or reads the engine; code that steps :meth:`engine` itself holds it too.
@@ -217,7 +218,10 @@ class Generator:
 
     def _make_engine(self, slots: int, max_len: int) -> Engine:
         ahead = COMPILED_LOOKAHEAD if self.compile else DEFAULT_LOOKAHEAD
-        speculate = None if self.draft is None else make_speculator(self.draft, slots, ahead, self._counts)
+        speculate = None
+        if self.draft is not None:  # (a draft model's one-token steps compiled with the engine's)
+            speculate = make_speculator(self.draft, slots, ahead, self._counts, compile=self.compile,
+                                        progress=self.progress)  # fmt: skip
         return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,
                       token_bytes=self.tokenizer.decode_single_token_bytes,
                       vocab_limit=self.tokenizer.n_vocab, speculate=speculate)  # fmt: skip
@@ -399,6 +403,6 @@ def load(
         source, config=config, device=device, dtype=dtype, group_size=group_size, plain=plain
     )
     if draft is not None and str(draft) != "ngram":
-        draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size)
+        draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
                      draft=draft)  # fmt: skip

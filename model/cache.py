@@ -9,9 +9,8 @@ from model.config import GPTConfig
 
 
 class KVCache:
-    """Static key/value buffers, one pair per layer (slots, n_head, positions, head_dim); each slot's length.
-
-    A slot is one sequence's row at its own positions (no padding, no shared offset; the engine keeps
+    """Static key/value buffers, one pair per layer (slots, n_head, positions, head_dim); each slot's length:
+    a slot is one sequence's row at its own positions (no padding, no shared offset; the engine keeps
     ``lengths``). Nothing is written past ``max_len``; ``positions`` rounds it up to whole chunks (of
     :data:`model.attention.CHUNK`). Layers' buffers are separate tensors: a compiled step's inputs."""
 

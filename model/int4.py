@@ -1,12 +1,10 @@
 """Int4 weight-only quantization: 4-bit codes in groups along each row, a bf16 scale and zero per group.
 
 Codes 0..15 stand for ``(code - 8) * scale + zero``, as in stock PyTorch's int4 kernels (CPU
-``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packing. Rows are
-padded with zero rows to whole :data:`ROW_BLOCK` (the CPU's wants N a multiple of 16) and the extra outputs
-sliced off (each output is its own row's sum). From :data:`DEQUANT_ROWS` input rows (a prompt; the kernel is
-built for few) a CPU product turns blocks of weight rows into bf16 (rounded once) for a bf16 product, but not
-in a compiled step, which prepacks the kernel's weights: the way follows from shapes. The tied embedding also
-keeps its codes plainly, two to a byte, for a lookup that reads only its rows."""
+``aten._weight_int4pack_mm_for_cpu``, CUDA ``aten._weight_int4pack_mm``), each with its own packing; rows
+padded with zero rows to whole :data:`ROW_BLOCK`, the extra outputs sliced off. From :data:`DEQUANT_ROWS`
+input rows an eager CPU product turns blocks of weight rows into bf16 (rounded once) for a bf16 product: the
+way follows from shapes. The tied embedding also keeps its codes plainly, for a lookup of its rows."""
 
 from __future__ import annotations
 

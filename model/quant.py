@@ -1,8 +1,7 @@
-"""Int8 weight-only quantization: int8 matrices with one bf16 scale per output row, bf16 activations.
-
-Under :data:`DEQUANT_ROWS` input rows a product runs in ``aten._weight_int8pack_mm``; from there (a prompt,
-where it is slower) blocks of :data:`ROWS_PER_PASS` weight rows turn into bf16 (exactly) for a bf16 product,
-scaled after (one rounding more). The way is chosen by shape, so a product's bits follow from shapes."""
+"""Int8 weight-only quantization: int8 matrices with one bf16 scale per output row, bf16 activations. Under
+:data:`DEQUANT_ROWS` input rows a product runs in ``aten._weight_int8pack_mm``; from there (a prompt, where it
+is slower) blocks of :data:`ROWS_PER_PASS` weight rows turn into bf16 (exactly) for a bf16 product, scaled
+after (one rounding more). The way is chosen by shape, so a product's bits follow from shapes."""
 
 from __future__ import annotations
 

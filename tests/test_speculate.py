@@ -139,6 +139,19 @@ def test_a_draft_samples_at_the_requests_own_numbers_so_a_draft_that_agrees_is_t
     assert speculator.stats()["acceptance_rate"] > 0.95
 
 
+def test_a_compiled_draft_proposes_what_an_eager_one_does_for_every_slot(model):
+    # Its one-token steps run its compiled step of all its slots (each other slot fed where it writes next):
+    # over 3 slots of interleaved requests, the same proposals taken as the eager draft's, step by step.
+    ps, counts = prompts(12, seed=9), []
+    for compile in (False, True):
+        speculator = Speculator(DraftProposer(model, 3, compile=compile), lookahead=4)
+        assert speculator.proposer.runner.compiled == compile
+        for sampling in (GREEDY, SEEDED):
+            assert_same_tokens(run(model, ps, sampling, speculator, 3), run(model, ps, sampling, slots=3))
+        counts.append(speculator.counts)
+    assert counts[0] == counts[1] and counts[0].accepted > 0.9 * counts[0].proposed
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_speculation_gives_a_plain_engines_tokens_and_its_logprobs_within_tolerance(model, sampling):
     ps = prompts(40, seed=5)

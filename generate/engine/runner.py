@@ -18,12 +18,14 @@ def forward_step(model: GPT, cache: KVCache, tokens: torch.Tensor, positions: to
     return model(tokens, positions=positions, cache=cache, span=span, step=True, embedded=embedded)
 
 
+Progress = Callable[[str], None] | None  # told of a compile's progress, a line at a time
+
+
 class Runner:
     """Calls the model for the engine: steps of the ``widths`` given (tokens a slot; more verify proposals),
     with ``compile`` compiled (:func:`generate.engine.compiled.compile_steps`, told ``progress``)."""
 
-    def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False,
-                 progress: Callable[[str], None] | None = None,
+    def __init__(self, model: GPT, cache: KVCache, *, compile: bool = False, progress: Progress = None,
                  widths: tuple[int, ...] = (1,)) -> None:  # fmt: skip
         self.model, self.cache, self.compiled = model, cache, compile
         self._eager, self._steps = partial(forward_step, model, cache), {}  # (width -> its compiled step)

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from generate.engine.request import Request
-from generate.engine.runner import Runner
+from generate.engine.runner import Progress, Runner
 from generate.engine.sampling import draw, uniform
 from model import GPT, KVCache
 
@@ -48,14 +48,13 @@ class NgramProposer:
 
 
 class DraftProposer:
-    """A draft ``model`` (eval mode, on the target's device, sharing the tokenizer) chooses as the request
-    would, at its random numbers (penalties aside), over a KV cache of its own, a slot per engine slot. It
-    keeps what it was fed while that still matches the request's tokens: each step feeds only what is new."""
+    """A draft ``model`` (sharing the tokenizer) chooses as the request would, at its random numbers
+    (penalties aside), over a KV cache of its own, a slot per engine slot, fed only what is new."""
 
-    def __init__(self, model: GPT, slots: int) -> None:
+    def __init__(self, model: GPT, slots: int, compile: bool = False, progress: Progress = None) -> None:
         self.model, window = model.eval(), model.config.n_positions
         self.cache = KVCache(model.config, slots, window, dtype=model.compute_dtype, device=model.device)
-        self.runner = Runner(self.model, self.cache)  # (eager: its prefill is a draft's step)
+        self.runner = Runner(self.model, self.cache, compile=compile, progress=progress)
         self.fed: list[list[int]] = [[] for _ in range(slots)]  # the tokens each slot's cache holds
         self.owner: list[Request | None] = [None] * slots
 
@@ -74,12 +73,21 @@ class DraftProposer:
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
         new, proposals = history[len(fed) :], []
         for i in range(k):  # (at position p the request draws at uniform(seed, p): so does its draft)
-            logits = self.runner.prefill(new, slot, len(fed))
+            logits = self._feed(new, slot, len(fed))
             u = 0.0 if request.sampling.greedy else uniform(request.drawn_seed, len(history) + i)
             fed += new  # (in place: the slot's record)
             new = [draw(logits.float(), request.sampling, u)]
             proposals.append(new[0])
         return proposals
+
+    def _feed(self, tokens: list[int], slot: int, start: int) -> torch.Tensor:
+        """``tokens`` into ``slot`` from ``start``: the last one's logits. Eager, or several: a prefill; one,
+        compiled: the compiled step, each other slot fed at the position it writes next (rewritten first)."""
+        if len(tokens) > 1 or not self.runner.compiled:
+            return self.runner.prefill(tokens, slot, start)
+        ids, positions = [0] * len(self.fed), [len(fed) for fed in self.fed]
+        ids[slot], positions[slot] = tokens[0], start
+        return self.runner.decode(torch.tensor(ids), torch.tensor(positions))[slot]
 
 
 @dataclass
@@ -98,22 +106,21 @@ class Counts:
         return {**asdict(self), "acceptance_rate": acceptance, "tokens_per_pass": per_pass}
 
 
-def make_speculator(
-    draft: GPT | str, slots: int, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
-) -> Speculator:
-    """A :class:`Speculator` for an engine of ``slots``: ``draft`` is ``"ngram"`` (prompt lookup) or a
-    draft model; ``counts`` are added to (default: its own)."""
+def make_speculator(draft: GPT | str, slots: int, lookahead: int = DEFAULT_LOOKAHEAD,
+                    counts: Counts | None = None, *, compile: bool = False,
+                    progress: Progress = None) -> Speculator:  # fmt: skip
+    """A :class:`Speculator` for an engine of ``slots``: ``draft`` is ``"ngram"`` (prompt lookup) or a draft
+    model (its one-token steps compiled with ``compile``); ``counts`` are added to (default: its own)."""
     if isinstance(draft, str) and draft != "ngram":
         raise ValueError(f"draft={draft!r}: give 'ngram' or a draft model (one sharing the tokenizer)")
-    proposer = NgramProposer() if isinstance(draft, str) else DraftProposer(draft, slots)
+    proposer = NgramProposer() if isinstance(draft, str) else DraftProposer(draft, slots, compile, progress)
     return Speculator(proposer, lookahead, counts)
 
 
 class Speculator:
-    """What a speculating engine keeps: the ``proposer``, each slot's lookahead and ``counts`` (default: its
-    own). A slot proposes at most ``lookahead`` tokens a step, one more than it had accepted last; where
-    proposing costs (a lone slot's step is plain without), after a miss it rests (proposes nothing) for 1,
-    then 2, 4, ... up to :data:`MAX_REST` tokens, then tries one."""
+    """A speculating engine's ``proposer``, slots' lookaheads and ``counts``: a slot proposes one more token
+    than it had accepted last (at most ``lookahead``); where proposing costs (a lone slot's step is plain
+    without), after a miss it rests for 1, then 2, 4, ... up to :data:`MAX_REST` tokens, then tries one."""
 
     def __init__(
         self, proposer: Proposer, lookahead: int = DEFAULT_LOOKAHEAD, counts: Counts | None = None
