@@ -32,7 +32,7 @@ log = logging.getLogger("gptgen")
 # A compiled step: (slots, width) token ids and positions, and how many cache positions to read (rounded up
 # to whole chunks) -> (slots, width, V) logits (a width of 1: a decode step; more: a speculative one).
 Step = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-Progress = Callable[[str], None] | None
+Progress = runner.Progress
 
 # Inductor on the CPU: weights frozen and prepacked for one kernel per product, so nothing is timed: its C++
 # GEMM template with AVX-512 for a step of at most TEMPLATE_ROWS rows (slots x width), else ATen's. A row's

@@ -39,15 +39,15 @@ class Engine:
     """Runs requests in a fixed set of ``slots`` (the rows of every step) with ``model`` (in eval mode).
 
     Args:
-        max_len: cache positions per slot (default and compiled: the model's window; changes no bits).
+        max_len: positions per slot, where a request ends (``"length"``); default and compiled: the window.
         token_bytes: maps a token id to its bytes (the tokenizer's), for stop strings and text.
         vocab_limit: choose only ids below this (a tokenizer smaller than a padded vocabulary).
         compile: run the decode step compiled; ``progress`` is then called with lines of text as it goes.
         speculate: check proposed tokens in each step (:mod:`generate.engine.speculate`).
 
-    A request whose logits are not finite, or whose sampling or text fails, ends alone (``"error"``); the
-    others go on unchanged. ValueError for ``slots`` or ``max_len`` out of range; MemoryError (checked first)
-    where cache and working memory do not fit."""
+    A request whose logits are not finite, or whose sampling or text fails, ends alone (``"error"``, its
+    ``error`` says why); the others go on unchanged. ValueError for ``slots`` or ``max_len`` out of range;
+    MemoryError (checked first) where cache and working memory do not fit. ``max_len`` changes no bits."""
 
     def __init__(self, model: GPT, *, slots: int = 8, max_len: int | None = None,
                  token_bytes: Callable[[int], bytes] | None = None, vocab_limit: int | None = None,

@@ -63,8 +63,8 @@ def check_max_new_tokens(value: object) -> int:
 @dataclass(eq=False)  # a request is itself: the engine finds it by identity, never by equal fields
 class Request:
     """One prompt (token ids) and how to continue it; the engine fills in the results (from ``token_ids``).
-    ``max_new_tokens``, the window's end, ``eos_id`` (None: never early) and ``stop`` strings (these need the
-    engine's tokenizer) end it. ``seed`` (None: a random one each run) fixes its draws whatever else runs.
+    ``max_new_tokens``, the engine's ``max_len``, ``eos_id`` (None: never early) and ``stop`` strings (with
+    the engine's tokenizer) end it. ``seed`` (None: a random one each run) fixes its draws whatever else runs.
     ``logprobs`` records each chosen token's log-probability under the model's own distribution;
     ``top_logprobs``, that many most likely alternatives' (id -> logprob)."""
 

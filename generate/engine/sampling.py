@@ -1,7 +1,7 @@
 """Sampling: parameters, logit processing (penalties, temperature, top-k, top-p, min-p) and token choice. A
 token is a fixed function of the row's logits, its request's seed and the token's position (:func:`uniform`;
 no generator carries state), so speculation's verification chooses exactly as a plain step. Top-p draws by
-rejection (:func:`draw`), sorting nothing: each kept token has its filtered-softmax probability."""
+rejection (:func:`draw`), sorting nothing: a kept token has its filtered-softmax probability (in float32)."""
 
 from __future__ import annotations
 
