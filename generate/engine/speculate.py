@@ -73,20 +73,20 @@ class DraftProposer:
         del fed[min(same, len(history) - 1) :]  # (at least the last token is fed again: its logits)
         new, proposals = history[len(fed) :], []
         for i in range(k):  # (at position p the request draws at uniform(seed, p): so does its draft)
-            logits = self._feed(new, slot, len(fed))
+            logits = self._feed(new, slot)
             u = 0.0 if request.sampling.greedy else uniform(request.drawn_seed, len(history) + i)
             fed += new  # (in place: the slot's record)
             new = [draw(logits.float(), request.sampling, u)]
             proposals.append(new[0])
         return proposals
 
-    def _feed(self, tokens: list[int], slot: int, start: int) -> torch.Tensor:
-        """``tokens`` into ``slot`` from ``start``: the last one's logits. Eager, or several: a prefill; one,
-        compiled: the compiled step, each other slot fed at the position it writes next (rewritten first)."""
+    def _feed(self, tokens: list[int], slot: int) -> torch.Tensor:
+        """``tokens`` into ``slot`` after what it holds: the last one's logits. Eager, or several: a prefill;
+        one, compiled: the compiled step, every slot at the position it writes next (others rewrite it)."""
+        positions = [len(fed) for fed in self.fed]
         if len(tokens) > 1 or not self.runner.compiled:
-            return self.runner.prefill(tokens, slot, start)
-        ids, positions = [0] * len(self.fed), [len(fed) for fed in self.fed]
-        ids[slot], positions[slot] = tokens[0], start
+            return self.runner.prefill(tokens, slot, positions[slot])
+        ids = [tokens[0] if row == slot else 0 for row in range(len(positions))]
         return self.runner.decode(torch.tensor(ids), torch.tensor(positions))[slot]
 
 
