@@ -54,10 +54,10 @@ def _run(gen: generate.Generator, prompts: list[list[int]], sampling: SamplingPa
 
 
 def _speeds(args: argparse.Namespace) -> None:
-    plain = generate.load(args.model, slots=args.prompts)
+    plain = generate.load(args.model, slots=args.prompts, device=args.device)
     ways = {"plain": plain, "ngram": generate.Generator(plain.model, slots=args.prompts, draft="ngram")}
     if args.draft:
-        draft = generate.load(args.draft).model
+        draft = generate.load(args.draft, device=args.device).model
         ways["draft"] = generate.Generator(plain.model, slots=args.prompts, draft=draft)
     if args.compile:
         for name, gen in list(ways.items()):
@@ -114,15 +114,18 @@ def _verify_cost(args: argparse.Namespace) -> None:
     import bench  # bench/bench.py: the random GPT-2 124M checkpoint
 
     with bench.checkpoint_dir(None if args.model == "shakespeare" else args.model) as directory:
-        model = checkpoints.load(directory, dtype=args.dtype)
+        model = checkpoints.load(directory, dtype=args.dtype, device=args.device)
+    cuda = model.device.type == "cuda"
+    where = torch.cuda.get_device_name(model.device) if cuda else bench.cpu_description()
     print(f"verify pass of 1 + k tokens against one decode step, batch 1, {args.dtype}, cache at position "
-          f"{args.position}, median of {args.calls} calls ({bench.cpu_description()})")  # fmt: skip
+          f"{args.position}, median of {args.calls} calls ({where})")  # fmt: skip
     kinds = [False, True] if args.compile else [False]
     base: dict[bool, float] = {}
     for k in range(0, 9):
         line = f"  k={k}"
         for compiled in kinds:
-            cache = KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype)
+            cache = KVCache(model.config, 1, model.config.n_positions, dtype=model.compute_dtype,
+                            device=model.device)  # fmt: skip
             runner = Runner(model, cache, compile=compiled, widths=(k + 1,))
             runner.prefill(list(range(args.position)), 0)
             ms = 1000 * _step_seconds(runner, k, args.position, args.calls)
@@ -133,8 +136,9 @@ def _verify_cost(args: argparse.Namespace) -> None:
 
 def _step_seconds(runner: Runner, k: int, position: int, calls: int) -> float:
     """The median time of a step feeding ``1 + k`` tokens at ``position`` (k = 0: a plain decode step)."""
-    tokens = torch.zeros(1, k + 1, dtype=torch.long)
-    positions = torch.arange(position, position + k + 1)[None]
+    device = runner.model.device
+    tokens = torch.zeros(1, k + 1, dtype=torch.long, device=device)
+    positions = torch.arange(position, position + k + 1, device=device)[None]
     times = []
     with torch.inference_mode():
         for i in range(3 + calls):
@@ -143,6 +147,8 @@ def _step_seconds(runner: Runner, k: int, position: int, calls: int) -> float:
                 runner.decode(tokens[:, 0], positions[:, 0])
             else:
                 runner.verify(tokens, positions)
+            if device.type == "cuda":  # (CUDA runs asynchronously: wait for the step's kernels)
+                torch.cuda.synchronize(device)
             if i >= 3:  # (warm-up calls first)
                 times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -161,6 +167,7 @@ def main() -> None:
     p.add_argument("--verify-cost", action="store_true", help="time verify passes of k = 1..8 instead")
     p.add_argument("--dtype", default="float32", help="with --verify-cost: the weights' dtype")
     p.add_argument("--position", type=int, default=256, help="with --verify-cost: the cache's length")
+    p.add_argument("--device", default="cpu", help="where to run: cpu (default), cuda, cuda:N")
     p.add_argument("--calls", type=int, default=30, help="with --verify-cost: timed calls per width")
     args = p.parse_args()
     (_verify_cost if args.verify_cost else _speeds)(args)

@@ -312,12 +312,15 @@ def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatc
             store.cache_limit_bytes()
 
 
-def test_jit_step_compiles_once_and_matches_the_full_forward():
+def test_jit_step_compiles_once_and_matches_the_full_forward(monkeypatch):
     # The torch.compile step (CUDA's; tested here on the CPU): one graph for the engine's whole life. Rows
-    # joining, leaving and moving through positions do not recompile it.
+    # joining, leaving and moving through positions do not recompile it. Every step is a function of its
+    # own: other engines' steps never count against its recompile limit (a process of many engines).
     from torch._dynamo.utils import counters
 
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model, requests = make_model(CONFIG, seed=6, std=0.3), mixed_requests(CONFIG, 6, count=5)
+    compiled.jit_step(model, KVCache(model.config, 1, 64), width=2)  # another engine's step, first
     engine = Engine(model, slots=2)
     step, calls = compiled.jit_step(model, engine.cache), []  # compiled here, on a warm-up step
     engine.runner.compiled, engine.runner._steps = True, {1: lambda *inputs: calls.append(1) or step(*inputs)}

@@ -14,6 +14,7 @@ import platform
 import tempfile
 import threading
 import time
+import types
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -224,9 +225,7 @@ def packaged_step(model: GPT, cache: KVCache, progress: Progress = None,
 
     def run(ids: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         if any(t.data_ptr() != address for t, address in given):  # (the library reads them there)
-            raise RuntimeError(
-                "the model's weights moved (converted or replaced) after its step was compiled"
-            )
+            raise RuntimeError("the model's weights moved (converted, replaced) after its step was compiled")
         return step(ids, pos, sizes[-(-span // CHUNK)], model.embed(ids, pos), *kv)
 
     return run
@@ -241,9 +240,10 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
         return runner.forward_step(model, buffers, tokens, positions, buffers.max_len)
 
-    cuda = model.device.type == "cuda"
-    # Fixed addresses for CUDA graphs' replays (not on the CPU: freezing would fold such a buffer in).
-    for buffer in (*cache.k, *cache.v) if cuda else ():
+    # Each step a function of its own: dynamo keeps graphs, and counts recompiles (at most 8), per function.
+    step = types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
+    cuda = model.device.type == "cuda"  # (CUDA graphs replay at fixed addresses; the CPU's freezing would
+    for buffer in (*cache.k, *cache.v) if cuda else ():  # fold a buffer so marked into the graph)
         torch._dynamo.mark_static_address(buffer)
     compiled = torch.compile(step, mode="reduce-overhead" if cuda else None, fullgraph=True, dynamic=False)
     what = f"compiling the decode step ({cache.slots} slots x {cache.max_len} positions)"
