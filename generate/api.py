@@ -13,7 +13,7 @@ import torch
 
 import checkpoints
 from generate.engine.engine import Engine, raise_errors
-from generate.engine.memory import said_plainly
+from generate.engine.memory import check_engine_memory, said_plainly
 from generate.engine.request import make_requests
 from generate.engine.sampling import SamplingParams
 from generate.engine.speculate import COMPILED_LOOKAHEAD, DEFAULT_LOOKAHEAD, Counts, make_speculator
@@ -218,8 +218,10 @@ class Generator:
 
     def _make_engine(self, slots: int, max_len: int) -> Engine:
         ahead = COMPILED_LOOKAHEAD if self.compile else DEFAULT_LOOKAHEAD
-        speculate = None
-        if self.draft is not None:  # (a draft model's one-token steps compiled with the engine's)
+        speculate, model = None, self.model
+        if self.draft is not None:  # (a draft's steps compile with the engine's: its memory is checked first)
+            window = model.config.n_positions if self.compile else max_len  # (as Engine does)
+            check_engine_memory(model.config, slots, window, model.compute_dtype, model.device)
             speculate = make_speculator(self.draft, slots, ahead, self._counts, compile=self.compile,
                                         progress=self.progress)  # fmt: skip
         return Engine(self.model, slots=slots, max_len=max_len, compile=self.compile, progress=self.progress,

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import checkpoints
+import generate
 import generate.engine.memory as memory
+import generate.engine.speculate as speculate
 from generate.engine.engine import Engine
 from helpers import TINY_CONFIGS, make_model
 from model import GPTConfig
@@ -34,6 +36,11 @@ def test_an_address_space_limit_is_seen(monkeypatch):
     model = make_model(TINY_CONFIGS["2x2x32"])
     with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB .* only [\d,]+ MiB are available"):
         Engine(model, slots=4096)
+    # So is a speculating one, before its draft is made (a draft compiles its steps: tens of seconds).
+    monkeypatch.setattr(speculate, "DraftProposer", lambda *args: pytest.fail("the draft was made first"))
+    gen = generate.Generator(model, slots=4096, compile=True, draft=model)
+    with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB .* only [\d,]+ MiB are available"):
+        gen.generate(["a"] * 4096, max_new_tokens=2)
 
 
 @pytest.mark.parametrize(
