@@ -35,18 +35,14 @@ class GPTConfig:
                 hint = " or None (meaning 4 * n_embd)" if name == "n_inner" else ""
                 raise ValueError(f"GPTConfig.{name} must be a positive integer{hint}, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
-                f"choose n_head among the divisors of {self.n_embd}"
-            )
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                             f"choose n_head among the divisors of {self.n_embd}")  # fmt: skip
         eps = self.layer_norm_epsilon
         if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < math.inf):
             raise ValueError(f"GPTConfig.layer_norm_epsilon must be a positive finite number, got {eps!r}")
         if self.activation_function not in ACTIVATIONS:
-            raise ValueError(
-                f"GPTConfig.activation_function {self.activation_function!r} is not supported; "
-                f"use one of {', '.join(ACTIVATIONS)}"
-            )
+            raise ValueError(f"GPTConfig.activation_function {self.activation_function!r} is not supported; "
+                             f"use one of {', '.join(ACTIVATIONS)}")  # fmt: skip
         for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:

@@ -81,13 +81,17 @@ class DraftProposer:
         return proposals
 
     def _feed(self, tokens: list[int], slot: int) -> torch.Tensor:
-        """``tokens`` into ``slot`` after what it holds: the last one's logits. Eager, or several: a prefill;
-        one, compiled: the compiled step, every slot at the position it writes next (others rewrite it)."""
+        """``tokens`` into ``slot`` after what it holds: the last one's logits. Eager, or more than a pass's
+        catch-up (its last proposal and the token after): a prefill; else the compiled step a token at a
+        time, every slot at the position it writes next (others rewrite it)."""
         positions = [len(fed) for fed in self.fed]
-        if len(tokens) > 1 or not self.runner.compiled:
+        if len(tokens) > 2 or not self.runner.compiled:
             return self.runner.prefill(tokens, slot, positions[slot])
-        ids = [tokens[0] if row == slot else 0 for row in range(len(positions))]
-        return self.runner.decode(torch.tensor(ids), torch.tensor(positions))[slot]
+        for token in tokens:
+            ids = [token if row == slot else 0 for row in range(len(positions))]
+            logits = self.runner.decode(torch.tensor(ids), torch.tensor(positions))[slot]
+            positions[slot] += 1
+        return logits
 
 
 @dataclass
@@ -101,9 +105,8 @@ class Counts:
 
     def stats(self) -> dict[str, float]:
         """The counts, the acceptance rate and the tokens per pass."""
-        acceptance = self.accepted / self.proposed if self.proposed else 0.0
-        per_pass = self.tokens / self.passes if self.passes else 0.0
-        return {**asdict(self), "acceptance_rate": acceptance, "tokens_per_pass": per_pass}
+        rate, per_pass = self.accepted / max(self.proposed, 1), self.tokens / max(self.passes, 1)
+        return {**asdict(self), "acceptance_rate": rate, "tokens_per_pass": per_pass}
 
 
 def make_speculator(draft: GPT | str, slots: int, lookahead: int = DEFAULT_LOOKAHEAD,

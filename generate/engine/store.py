@@ -33,10 +33,8 @@ def cache_limit_bytes() -> int:
     except ValueError:
         gib = -1.0
     if not gib >= 0:  # (NaN too)
-        raise ValueError(
-            f"GPTGEN_CACHE_MAX_GB={text!r} is not a number of GiB; set it to 0 or more (default "
-            f"{DEFAULT_CACHE_MAX_GB:g}) or unset it"
-        )
+        raise ValueError(f"GPTGEN_CACHE_MAX_GB={text!r} is not a number of GiB; set it to 0 or more (default "
+                         f"{DEFAULT_CACHE_MAX_GB:g}) or unset it")  # fmt: skip
     return int(min(gib, 2.0**40) * 2**30)
 
 
