@@ -314,8 +314,8 @@ def test_the_cache_limit_follows_the_environment_and_refuses_nonsense(monkeypatc
 
 def test_jit_step_compiles_once_and_matches_the_full_forward(monkeypatch):
     # The torch.compile step (CUDA's; tested here on the CPU): one graph for the engine's whole life. Rows
-    # joining, leaving and moving through positions do not recompile it. Every step is a function of its
-    # own: other engines' steps never count against its recompile limit (a process of many engines).
+    # joining, leaving and moving through positions do not recompile it, nor does another engine of its shape;
+    # engines of other shapes never count against its recompile limit (a process of many engines).
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
@@ -325,6 +325,7 @@ def test_jit_step_compiles_once_and_matches_the_full_forward(monkeypatch):
     step, calls = compiled.jit_step(model, engine.cache), []  # compiled here, on a warm-up step
     engine.runner.compiled, engine.runner._steps = True, {1: lambda *inputs: calls.append(1) or step(*inputs)}
     graphs = counters["stats"]["unique_graphs"]
+    compiled.jit_step(model, KVCache(model.config, 2, engine.cache.max_len))  # (its graph, reused)
     seen = run_and_record(engine, requests)
     assert counters["stats"]["unique_graphs"] == graphs and len(calls) > 10  # (its steps ran it)
     assert_engine_matches_full_forward(model, requests, seen, FP32_TOL)

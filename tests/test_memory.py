@@ -36,7 +36,9 @@ def test_an_address_space_limit_is_seen(monkeypatch):
     model = make_model(TINY_CONFIGS["2x2x32"])
     with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB .* only [\d,]+ MiB are available"):
         Engine(model, slots=4096)
-    # So is a speculating one, before its draft is made (a draft compiles its steps: tens of seconds).
+    # So is a draft's own cache, and a speculating engine before its draft is made (which compiles).
+    with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB .* only [\d,]+ MiB are available"):
+        speculate.DraftProposer(model, 4096, compile=True)
     monkeypatch.setattr(speculate, "DraftProposer", lambda *args: pytest.fail("the draft was made first"))
     gen = generate.Generator(model, slots=4096, compile=True, draft=model)
     with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB .* only [\d,]+ MiB are available"):

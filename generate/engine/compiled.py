@@ -29,6 +29,7 @@ from model import GPT, KVCache
 from model.attention import CHUNK
 
 log = logging.getLogger("gptgen")
+CODES: dict[tuple, types.CodeType] = {}  # (see jit_step)
 
 # A compiled step: (slots, width) token ids and positions, and how many cache positions to read (rounded up
 # to whole chunks) -> (slots, width, V) logits (a width of 1: a decode step; more: a speculative one).
@@ -44,16 +45,9 @@ CPU_OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.precompile_
 # But a step of one row of an unquantized model runs each product as inductor's reduction over the weights'
 # plain rows (its decompose_mm_pass; as fast), nothing frozen: the library holds no weights, and is given the
 # model's own at load (user-managed constants), so a process holds them once.
-OWN_OPTIONS = {
-    "aot_inductor.precompile_headers": False,
-    "aot_inductor.package_constants_in_so": False,
-    "post_grad_fusion_options": {
-        "decompose_mm_pass": {
-            "skip_dynamic_shape_dim_check": True,
-            "cpu_max_other_dimension_decomposition": 2**31,
-        }
-    },
-}
+DECOMPOSE = {"skip_dynamic_shape_dim_check": True, "cpu_max_other_dimension_decomposition": 2**31}
+OWN_OPTIONS = {"aot_inductor.precompile_headers": False, "aot_inductor.package_constants_in_so": False,
+               "post_grad_fusion_options": {"decompose_mm_pass": DECOMPOSE}}  # fmt: skip
 _COMPILING = threading.Lock()  # one compile at a time: inductor's cache directory is the process's
 
 # A compile's peak memory is about 430 MiB plus 14x the weights in fp32 (11x in bf16): checked with a margin.
@@ -240,8 +234,11 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
         buffers = KVCache.over(kv[: len(kv) // 2], kv[len(kv) // 2 :])
         return runner.forward_step(model, buffers, tokens, positions, buffers.max_len)
 
-    # Each step a function of its own: dynamo keeps graphs, and counts recompiles (at most 8), per function.
-    step = types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
+    # A code object per engine shape: dynamo keeps graphs, and counts recompiles (at most 8), per code object,
+    # so an engine of a shape seen before reuses its graph and other shapes never count against its limit.
+    shape = (model.config, model.compute_dtype, model.device, cache.slots, cache.max_len, width)
+    code = CODES.setdefault(shape, step.__code__.replace())
+    step = types.FunctionType(code, step.__globals__, "step", None, step.__closure__)
     cuda = model.device.type == "cuda"  # (CUDA graphs replay at fixed addresses; the CPU's freezing would
     for buffer in (*cache.k, *cache.v) if cuda else ():  # fold a buffer so marked into the graph)
         torch._dynamo.mark_static_address(buffer)

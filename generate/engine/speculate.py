@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from generate.engine.memory import check_engine_memory
 from generate.engine.request import Request
 from generate.engine.runner import Progress, Runner
 from generate.engine.sampling import draw, uniform
@@ -53,6 +54,7 @@ class DraftProposer:
 
     def __init__(self, model: GPT, slots: int, compile: bool = False, progress: Progress = None) -> None:
         self.model, window = model.eval(), model.config.n_positions
+        check_engine_memory(model.config, slots, window, model.compute_dtype, model.device)  # (then compiles)
         self.cache = KVCache(model.config, slots, window, dtype=model.compute_dtype, device=model.device)
         self.runner = Runner(self.model, self.cache, compile=compile, progress=progress)
         self.fed: list[list[int]] = [[] for _ in range(slots)]  # the tokens each slot's cache holds
