@@ -9,8 +9,9 @@ quantized layers are packed for that device. Checked on it: cached generation eq
 prefix (fp32 1e-4: a GPU's matrix kernels sum in other orders than a CPU's, still far below a wrong mask's
 error; bf16 0.08 as in test_prefix_consistency); a request gives the same bits alone and beside others in an
 engine of the same width, in every dtype (``torch.equal``); our fp32 logits equal Hugging Face's within 1e-4;
-the API gives the same text alone and in a list with ``deterministic=True``. On CUDA the compiled step (CUDA
-graphs) is checked the same way.
+the API gives the same text alone and in a list with ``deterministic=True``; proposals (prompt lookup, draft
+models) change no bit of a speculating engine's output. On CUDA the compiled step (CUDA graphs) is checked the
+same way.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import checkpoints
 from generate import Generator, SamplingParams
 from generate.engine.engine import Engine
 from generate.engine.request import Request
+from generate.engine.speculate import DraftProposer, NgramProposer, Speculator
 from helpers import BF16_TOL, assert_engine_matches_full_forward, hf_model, make_model, run_and_record
 from model import GPTConfig
 
@@ -81,6 +83,34 @@ def test_a_request_alone_equals_it_beside_others_bitwise(ckpt, dtype, compile):
         alone = run_and_record(alone_engine, [single])[id(single)]
         assert single.token_ids == r.token_ids and single.logprobs_list == r.logprobs_list, (dtype, r.prompt)
         assert all(torch.equal(a, b) for a, b in zip(alone, seen[id(r)], strict=True)), (dtype, r.prompt)
+
+
+class NoProposals:
+    def propose(self, slot, request, k):
+        return []
+
+
+@pytest.mark.parametrize("compile", COMPILE)
+def test_proposals_change_no_bit_of_a_speculating_engines_output(ckpt, compile):
+    # Prompt lookup, a draft that mostly disagrees and one that mostly agrees (the model itself, penalties
+    # aside; the drafts' steps compiled with the engine's) against no proposals, in engines of one shape:
+    # tokens and logprobs bit for bit.
+    model = checkpoints.load(ckpt, device=DEVICE)
+    other = make_model(CONFIG, seed=4, std=0.1).to(DEVICE)
+    outputs, counts = [], []
+    drafts = [DraftProposer(other, 2, compile), DraftProposer(model, 2, compile)]
+    for proposer in (NoProposals(), NgramProposer(), *drafts):
+        speculator, rs = Speculator(proposer, lookahead=3), requests()
+        speculating = Engine(model, slots=2, compile=compile, speculate=speculator)
+        for r in rs:
+            speculating.add(r)
+        for _ in speculating.run():
+            pass
+        outputs.append([(r.token_ids, r.logprobs_list) for r in rs])
+        counts.append(speculator.stats())
+    assert all(output == outputs[0] for output in outputs[1:])
+    assert counts[0]["proposed"] == 0 and all(c["proposed"] > 0 for c in counts[1:])
+    assert counts[3]["acceptance_rate"] > 0.5 and counts[2]["accepted"] < counts[2]["proposed"]
 
 
 def test_fp32_logits_equal_hugging_faces(tmp_path):
