@@ -212,7 +212,7 @@ class Generator:
             return kept
         if kept is not None and kept.has_work:
             return self._make_engine(slots, max_len)
-        self._engine = None  # (its KV cache, and a compiled step, freed before the next is made)
+        self._engine = None  # (its KV cache, and on the CPU its compiled step, freed before the next is made)
         self._engine = self._make_engine(slots, max_len)
         return self._engine
 

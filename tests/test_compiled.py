@@ -319,6 +319,7 @@ def test_jit_step_compiles_once_and_matches_the_full_forward(monkeypatch):
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(compiled, "CODES", {})  # (no shape seen before)
     model, requests = make_model(CONFIG, seed=6, std=0.3), mixed_requests(CONFIG, 6, count=5)
     compiled.jit_step(model, KVCache(model.config, 1, 64), width=2)  # another engine's step, first
     engine = Engine(model, slots=2)

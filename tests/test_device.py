@@ -110,7 +110,7 @@ def test_proposals_change_no_bit_of_a_speculating_engines_output(ckpt, compile):
         counts.append(speculator.stats())
     assert all(output == outputs[0] for output in outputs[1:])
     assert counts[0]["proposed"] == 0 and all(c["proposed"] > 0 for c in counts[1:])
-    assert counts[3]["acceptance_rate"] > 0.5 and counts[2]["accepted"] < counts[2]["proposed"]
+    assert counts[3]["acceptance_rate"] > 0.5 and counts[2]["acceptance_rate"] < 0.3  # (CPU: 0.64, 0.01)
 
 
 def test_fp32_logits_equal_hugging_faces(tmp_path):

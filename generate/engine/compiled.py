@@ -236,7 +236,8 @@ def jit_step(model: GPT, cache: KVCache, progress: Progress = None, width: int =
 
     # A code object per engine shape: dynamo keeps graphs, and counts recompiles (at most 8), per code object,
     # so an engine of a shape seen before reuses its graph and other shapes never count against its limit.
-    shape = (model.config, model.compute_dtype, model.device, cache.slots, cache.max_len, width)
+    weights = tuple((name, t.dtype, t.shape) for name, t in model.state_dict().items())  # (quantized or not)
+    shape = (model.config, weights, model.device, cache.k[0].dtype, cache.slots, cache.max_len, width)
     code = CODES.setdefault(shape, step.__code__.replace())
     step = types.FunctionType(code, step.__globals__, "step", None, step.__closure__)
     cuda = model.device.type == "cuda"  # (CUDA graphs replay at fixed addresses; the CPU's freezing would
