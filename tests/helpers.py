@@ -145,15 +145,23 @@ def tiny_checkpoint(directory: Path) -> tuple[Path, GPT]:
     return checkpoints.save(model, directory), model
 
 
+class NoProposals:
+    """A speculating engine's proposer that never proposes (its steps have the speculating shape)."""
+
+    def propose(self, slot, request, k):
+        return []
+
+
 def run_and_record(engine: Engine, requests: list[Request]) -> dict[int, list[torch.Tensor]]:
-    """Run requests through the engine, keeping every logit row it sampled from, per request."""
+    """Run requests through the engine, keeping every logit row it sampled from, per request (a speculating
+    engine's: each step's first row a slot)."""
     seen: dict[int, list[torch.Tensor]] = {id(r): [] for r in requests}
     choose = engine._choose
 
-    def spy(logits, rows):
+    def spy(logits, rows, *proposals):
         for slot, i in rows.items():
             seen[id(engine.running[slot])].append(logits[i].float().clone())
-        return choose(logits, rows)
+        return choose(logits, rows, *proposals)
 
     engine._choose = spy
     for r in requests:

@@ -26,7 +26,14 @@ from generate import Generator, SamplingParams
 from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.speculate import DraftProposer, NgramProposer, Speculator
-from helpers import BF16_TOL, assert_engine_matches_full_forward, hf_model, make_model, run_and_record
+from helpers import (
+    BF16_TOL,
+    NoProposals,
+    assert_engine_matches_full_forward,
+    hf_model,
+    make_model,
+    run_and_record,
+)
 from model import GPTConfig
 
 DEVICE = torch.device(os.environ.get("GPTGEN_TEST_DEVICE", "cpu"))
@@ -85,11 +92,6 @@ def test_a_request_alone_equals_it_beside_others_bitwise(ckpt, dtype, compile):
         assert all(torch.equal(a, b) for a, b in zip(alone, seen[id(r)], strict=True)), (dtype, r.prompt)
 
 
-class NoProposals:
-    def propose(self, slot, request, k):
-        return []
-
-
 @pytest.mark.parametrize("compile", COMPILE)
 def test_proposals_change_no_bit_of_a_speculating_engines_output(ckpt, compile):
     # Prompt lookup, a draft that mostly disagrees and one that mostly agrees (the model itself, penalties
@@ -101,11 +103,7 @@ def test_proposals_change_no_bit_of_a_speculating_engines_output(ckpt, compile):
     drafts = [DraftProposer(other, 2, compile), DraftProposer(model, 2, compile)]
     for proposer in (NoProposals(), NgramProposer(), *drafts):
         speculator, rs = Speculator(proposer, lookahead=3), requests()
-        speculating = Engine(model, slots=2, compile=compile, speculate=speculator)
-        for r in rs:
-            speculating.add(r)
-        for _ in speculating.run():
-            pass
+        run_and_record(Engine(model, slots=2, compile=compile, speculate=speculator), rs)
         outputs.append([(r.token_ids, r.logprobs_list) for r in rs])
         counts.append(speculator.stats())
     assert all(output == outputs[0] for output in outputs[1:])

@@ -20,7 +20,7 @@ from generate.engine.engine import Engine
 from generate.engine.request import Request
 from generate.engine.sampling import SamplingParams
 from generate.engine.speculate import DraftProposer, NgramProposer, Speculator
-from helpers import FP32_TOL, GREEDY, TINY_CONFIGS, make_model
+from helpers import FP32_TOL, GREEDY, TINY_CONFIGS, NoProposals, make_model
 from model import GPT, GPTConfig
 
 CONFIG = TINY_CONFIGS["2x2x32"]  # a 64-position window: many requests run into it
@@ -29,11 +29,6 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
 
 def token_bytes(token: int) -> bytes:
     return bytes([97 + token % 26])  # a letter per token: stop strings over a tiny vocabulary
-
-
-class NoProposals:
-    def propose(self, slot, request, k):
-        return []
 
 
 class Known:
