@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -378,6 +379,17 @@ def test_endless_input_ends_in_one_error_line(ckpt, capsys, monkeypatch):
 def test_an_empty_checkpoint_path_is_one_error_line(capsys):
     assert main(["Hello", "-c", ""]) == 1
     assert "the checkpoint path is empty" in assert_one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_standard_output_is_one_error_line(ckpt):
+    # `generate x > /dev/full`: the streamed line's write fails, and so would ending it.
+    with open("/dev/full", "wb") as full:
+        result = subprocess.run([sys.executable, "-m", "generate", "x", "-c", ckpt, "-n", "3"], stdout=full,
+                                stderr=subprocess.PIPE, cwd=ROOT, env=command_env(), timeout=120)  # fmt: skip
+    assert result.returncode == 1
+    assert "generate: error: " in assert_one_error_line(result.stderr.decode())
+    assert "No space left on device" in result.stderr.decode()
 
 
 def test_a_closed_standard_output_is_one_error_line(ckpt):

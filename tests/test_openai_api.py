@@ -456,6 +456,8 @@ def test_render_chat_every_role_and_content_parts():
         ),
         (["hi"], "messages[0]", r"^messages\[0\]: each message needs a role"),
         ([{"content": "hi"}], "messages[0]", r"^messages\[0\]: each message needs a role"),
+        ([{"role": ["user"], "content": "hi"}], "messages[0]", r"^messages\[0\]: each message needs a role"),
+        ([{"role": {"a": 1}, "content": "hi"}], "messages[0]", r"^messages\[0\]: each message needs a role"),
         (
             [{"role": "user"}],
             "messages[0].content",

@@ -173,7 +173,11 @@ def render_chat(messages: object) -> str:
     lines = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or message["role"] not in CHAT_ROLES
+        ):
             raise bad(where, f"each message needs a role, one of {', '.join(CHAT_ROLES)}")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text ones

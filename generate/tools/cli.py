@@ -12,6 +12,7 @@ the run and its printing in :mod:`generate.tools.generate_output`, and what ever
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import BinaryIO
 
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None, prog: str = "generate") -> int:
 
     def end_line() -> None:  # end a streamed line; a JSON or finished line is left whole
         if out.partial:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            with contextlib.suppress(OSError):  # (the error may be standard output's own: a full disk)
+                sys.stdout.write("\n")
+                sys.stdout.flush()
 
     def body() -> None:
         parser = build_parser(prog)
