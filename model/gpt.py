@@ -170,10 +170,9 @@ class GPT(nn.Module):
         if t == 0:
             raise ValueError("input_ids has no positions; pass at least one token per row")
         if t > self.config.n_positions:
-            raise ValueError(
-                f"{t} positions exceed the model's context window n_positions={self.config.n_positions}; "
-                f"shorten the input to at most {self.config.n_positions} tokens"
-            )
+            raise ValueError(f"{t} positions exceed the model's context window n_positions="
+                             f"{self.config.n_positions}; shorten the input to at most "
+                             f"{self.config.n_positions} tokens")  # fmt: skip
         x = self.embed(input_ids, torch.arange(t, device=input_ids.device)[None, :])  # positions (1, T)
         for i, block in enumerate(self.h):
             if attention is not None and i in attention:
@@ -191,10 +190,8 @@ class GPT(nn.Module):
         if shape != (b, t):
             raise ValueError(f"cached forward needs positions of shape {(b, t)}, one per token; got {shape}")
         if slot is None and b != cache.slots:
-            raise ValueError(
-                f"the cache has {cache.slots} slots but the input has {b} rows; pass one row per slot, "
-                "or one row with slot="
-            )
+            raise ValueError(f"the cache has {cache.slots} slots but the input has {b} rows; pass one row "
+                             "per slot, or one row with slot=")  # fmt: skip
         if slot is not None and (b != 1 or not 0 <= slot < cache.slots):
             raise ValueError(f"slot={slot} needs one row and a slot in 0..{cache.slots - 1}; got {b} rows")
         span = cache.max_len if span is None else span

@@ -258,6 +258,7 @@ def test_no_stream_prints_the_same_text(ckpt, gen, capsys):
         (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
         (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--stop", ""], "--stop needs a non-empty string"),
+        (["--stop", "\udced\udca0\udc80"], "holds a lone surrogate, which no text can contain"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--top-k", "2.5"], "invalid int value: '2.5'"),
         (["--temperature", "warm"], "invalid float value: 'warm'"),

@@ -220,6 +220,27 @@ def test_int4_load_quantizing_each_layer_as_read_equals_quantizing_after(
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
 
 
+def test_int4_on_a_torch_without_its_cpu_kernels_is_refused_naming_the_version_and_the_fix(
+    tmp_path, monkeypatch
+):
+    # Before torch 2.6 there is no CPU int4 packing: one clear error before a weight is read.
+    import types
+
+    from torch.torch_version import TorchVersion
+
+    import checkpoints
+
+    checkpoints.save(make_model(TINY_CONFIGS["2x2x32"]), tmp_path)
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.5.1+cpu"))
+    monkeypatch.setattr(
+        torch.ops, "aten", types.SimpleNamespace()
+    )  # (no _convert_weight_to_int4pack_for_cpu)
+    with pytest.raises(
+        RuntimeError, match=r"^int4 needs torch 2\.6 or newer, not 2\.5\.1\+cpu; pip install torch"
+    ):
+        checkpoints.load(tmp_path, dtype="int4")
+
+
 def test_bad_group_sizes_are_refused_naming_the_value_and_the_fix(tmp_path):
     import checkpoints
 

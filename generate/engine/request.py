@@ -20,15 +20,25 @@ def check_seed(seed: object) -> int | None:
     return int(seed)
 
 
+def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Return ``stop`` as a tuple; ValueError unless each is a non-empty string with no lone surrogate."""
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if any("\ud800" <= c <= "\udfff" for c in s):
+            raise ValueError(f"stop string {s!r} holds a lone surrogate, which no text can contain")
+    return stop
+
+
 def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:
     """ValueError unless ``prompt`` is 1 to ``window - 1`` token ids, integers in ``0..vocab-1``."""
     if len(prompt) == 0:
         raise ValueError("the prompt has no tokens; start it with <|endoftext|> (id 50256) for none")
     if len(prompt) >= window:
-        raise ValueError(
-            f"the prompt has {len(prompt)} tokens but the model's window is {window} positions, which leaves "
-            f"room for at most {window - 1} prompt tokens; shorten the prompt"
-        )
+        raise ValueError(f"the prompt has {len(prompt)} tokens but the model's window is {window} "
+                         f"positions, which leaves room for at most {window - 1} prompt tokens; shorten the "
+                         "prompt")  # fmt: skip
     if bad := [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]:
         raise ValueError(f"the prompt has token id {bad[0]!r}, which is not an integer; token ids are ints")
     if bad := [t for t in prompt if not 0 <= t < vocab]:
@@ -87,12 +97,7 @@ class Request:
         self.prompt = list(self.prompt)
         self.max_new_tokens = check_max_new_tokens(self.max_new_tokens)
         self.seed = check_seed(self.seed)
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-            if any("\ud800" <= c <= "\udfff" for c in s):
-                raise ValueError(f"stop string {s!r} holds a lone surrogate, which no text can contain")
+        self.stop = check_stop(self.stop)
         top = self.top_logprobs
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 0 <= top <= 20:
             raise ValueError(f"top_logprobs must be an integer in 0..20, got {top!r}")

@@ -82,7 +82,7 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def _defaults(args: argparse.Namespace) -> Defaults:
     """The options' values for rows without their own, checked here rather than in every row."""
-    from generate.engine.request import check_max_new_tokens, check_seed
+    from generate.engine.request import check_max_new_tokens, check_seed, check_stop
     from generate.engine.sampling import SamplingParams
     from generate.tools.batch import Defaults
     from generate.tools.options import unescape
@@ -92,7 +92,7 @@ def _defaults(args: argparse.Namespace) -> Defaults:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=check_seed(args.seed),
-        stop=tuple(unescape(s) for s in args.stop),
+        stop=check_stop([unescape(s) for s in args.stop]),
     )
     SamplingParams(temperature=args.temperature, top_p=args.top_p)  # refused here, not in every row
     return defaults
