@@ -114,6 +114,9 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
         (["--max-slots", "0"], "--max-slots must be in 1..4096, got 0"),
         (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--api-key", " "], "--api-key is empty; give a key, or leave it out"),
+        (["--api-key", "abc "], "--api-key 'abc ' has a space or a character beyond ASCII"),
+        (["--api-key", "s\u00e9same"], "--api-key 'sésame' has a space or a character beyond ASCII"),
     ],
 )
 def test_serve_usage_errors_exit_2_with_one_line(args, mentions, capsys):
