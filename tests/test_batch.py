@@ -150,6 +150,8 @@ def test_the_command_runs_the_file_and_says_what_it_wrote(ckpt, gen, tmp_path, c
      (("in.jsonl", "out.jsonl"), ["-t", "-1"], 1, r"temperature=-1\.0 is out of range"),
      (("in.jsonl", "out.jsonl"), ["--stop", ""], 1, r"stop strings must be non-empty strings, got ''"),
      (("bad.jsonl", "out.jsonl"), [], 1, r"bad\.jsonl line 2 is not JSON"),
+     (("huge.jsonl", "out.jsonl"), [], 1, r"huge\.jsonl line 1: 1e400 is not a finite number \(JSON has no"),
+     (("nan.jsonl", "out.jsonl"), [], 1, r"nan\.jsonl line 1: NaN is not a finite number"),
      (("missing.jsonl", "out.jsonl"), [], 1, r"No such file or directory")],
 )  # fmt: skip
 def test_command_errors_are_one_line_and_write_nothing(ckpt, tmp_path, capsys, files, options, status, match):
@@ -157,6 +159,8 @@ def test_command_errors_are_one_line_and_write_nothing(ckpt, tmp_path, capsys, f
     write_jsonl(tmp_path / "noprompt.jsonl", [{"text": "a clash and no prompt"}])
     (tmp_path / "in.txt").write_text("{}\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    (tmp_path / "huge.jsonl").write_text('{"prompt": "a", "seed": 1e400}\n')  # (Python reads inf)
+    (tmp_path / "nan.jsonl").write_text('{"prompt": "a", "temperature": NaN}\n')
     before = sorted(p.name for p in tmp_path.iterdir())
     code, out, err = run([tmp_path / files[0], tmp_path / files[1], "-c", ckpt, *options], capsys)
     assert code == status and out == ""

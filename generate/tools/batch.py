@@ -150,15 +150,26 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, parse_float=_finite, parse_constant=_finite)
         except json.JSONDecodeError as e:
             raise ValueError(f"input {path} line {number} is not JSON: {e.msg}") from None
+        except ValueError as e:  # (from _finite)
+            raise ValueError(f"input {path} line {number}: {e}") from None
         if not isinstance(row, dict):
             raise ValueError(f"input {path} line {number} is not a JSON object")
         rows.append(row)
     for number, row in enumerate(rows, 1):
         check_columns(list(row), f"input {path} row {number}")
     return rows
+
+
+def _finite(text: str) -> float:
+    """A JSON number as a float; ValueError for NaN, Infinity and numbers beyond a float (the output could not
+    write them back as JSON)."""
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is not a finite number (JSON has no NaN or Infinity; floats stop at "
+                         "1.8e308)")  # fmt: skip
+    return value
 
 
 def _json_line(value: Any) -> str:
