@@ -288,6 +288,20 @@ def test_tokenize_and_detokenize(server, offline):
     assert back == {"prompt": "To be, or not"}
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param", "match"),
+    [("/detokenize", {"tokens": [1], "extra": 3}, None, r'^send \{"tokens": \[token ids\]\}$'),
+     ("/tokenize", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string"),
+     ("/detokenize", {"tokens": [1], "model": ["a"]}, "model", r"^model: got \['a'\]; it must be a string"),
+     ("/v1/completions", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string")],
+)  # fmt: skip
+def test_endpoints_refuse_unknown_fields_and_a_model_that_is_not_a_string(server, path, body, param, match):
+    reply = httpx.post(server.url + path, json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == param and re.search(match, error["message"]), error
+
+
 async def _stream_one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
     prompt = ("Once more unto the breach " * (1 + i % 7))[: 5 + 13 * (i % 9)]
     options = dict(temperature=0) if i % 2 else dict(temperature=0.8, top_k=40, seed=i)

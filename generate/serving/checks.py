@@ -11,6 +11,7 @@ from starlette.requests import Request as HTTPRequest
 
 from generate.api import Generator
 from generate.serving import openai_api as oa
+from generate.serving.openai_fields import bad
 from generate.serving.state import Settings, State
 
 
@@ -81,8 +82,10 @@ def vocab(gen: Generator) -> int:
 
 
 def check_model(state: State, body: object) -> None:
-    """Raise 404 when the body names a model other than the one served."""
+    """Raise 400 when the body's model is no string, 404 when it names a model other than the one served."""
     model = body.get("model") if isinstance(body, dict) else None
+    if model is not None and not isinstance(model, str):
+        raise bad("model", f"got {model!r}; it must be a string (see GET /v1/models)")
     if isinstance(model, str) and model != state.settings.model_name:
         raise oa.APIError(
             f"model {model!r} is not served here; this server serves "

@@ -110,9 +110,6 @@ def _options(body: dict) -> dict[str, Any]:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", f"got {user!r}; it must be a string")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"got {model!r}; it must be a string (see GET /v1/models)")
     return dict(
         sampling=sampling,
         stop=tuple(stop),

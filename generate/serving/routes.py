@@ -173,8 +173,9 @@ class Endpoints:
         gen, _ = self.state.ready()
         body = await checks.read_json(request, self.settings)
         checks.check_model(self.state, body)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        vocab = gen.tokenizer.n_vocab
+        if not isinstance(body, dict) or set(body) - {"model", "tokens"}:
+            raise oa.APIError('send {"tokens": [token ids]}', param=None)
+        tokens, vocab = body.get("tokens"), gen.tokenizer.n_vocab
         if not (
             isinstance(tokens, list)
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)
