@@ -22,10 +22,8 @@ class CausalAttention(nn.Module):
                  qkv_bias: bool = False) -> None:  # fmt: skip
         super().__init__()
         if min(d_in, d_out, context_length, num_heads) <= 0:
-            raise ValueError(
-                f"CausalAttention sizes must be positive, got d_in={d_in}, d_out={d_out}, "
-                f"context_length={context_length}, num_heads={num_heads}"
-            )
+            raise ValueError(f"CausalAttention sizes must be positive, got d_in={d_in}, d_out={d_out}, "
+                             f"context_length={context_length}, num_heads={num_heads}")  # fmt: skip
         if d_out % num_heads != 0:
             raise ValueError(f"d_out ({d_out}) must be divisible by num_heads ({num_heads})")
         self.d_out, self.num_heads, self.head_dim = d_out, num_heads, d_out // num_heads
@@ -115,10 +113,8 @@ class CausalAttention(nn.Module):
         b, nh, t, hs = q.shape
         chunks, compiling = keys.shape[2] // CHUNK, torch.compiler.is_compiling()
         if not compiling and keys.shape[2] % CHUNK:
-            raise ValueError(
-                f"a decode step reads whole chunks of {CHUNK} cache positions; got a span of {keys.shape[2]} "
-                "(a model.KVCache holds whole chunks)"
-            )
+            raise ValueError(f"a decode step reads whole chunks of {CHUNK} cache positions; got a span of "
+                             f"{keys.shape[2]} (a model.KVCache holds whole chunks)")  # fmt: skip
         # Compiled for the CPU, products summed: no batched GEMM, so every GEMM follows its kernel rule
         q, sums = q.float() * (1.0 / math.sqrt(hs)), compiling and q.device.type == "cpu"
         scores = (q[:, :, :, None] * keys.float()[:, :, None]).sum(-1) if sums else q @ keys.float().mT

@@ -115,8 +115,8 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
         (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--api-key", " "], "--api-key is empty; give a key, or leave it out"),
-        (["--api-key", "abc "], "--api-key 'abc ' has a space or a character beyond ASCII"),
-        (["--api-key", "s\u00e9same"], "--api-key 'sésame' has a space or a character beyond ASCII"),
+        (["--api-key", "abc "], "the API key (--api-key or $GPTGEN_API_KEY) holds ' ', U+0020; use ASCII"),
+        (["--api-key", "s\u00e9same"], "holds 'é', U+00E9; use ASCII letters, digits and punctuation"),
     ],
 )
 def test_serve_usage_errors_exit_2_with_one_line(args, mentions, capsys):
@@ -127,6 +127,16 @@ def test_serve_usage_errors_exit_2_with_one_line(args, mentions, capsys):
     line = one_line(captured.err)
     assert line.startswith("gptgen serve: error: ") and mentions in line
     assert captured.out == ""
+
+
+def test_serve_never_prints_the_api_key_it_refuses(capsys, monkeypatch):
+    for args in (["--api-key", "hunter2 "], []):  # given, then from the environment
+        monkeypatch.setenv("GPTGEN_API_KEY", "hunter2\u00e9")
+        with pytest.raises(SystemExit) as exit_info:
+            gptgen.main(["serve", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "the API key (--api-key or $GPTGEN_API_KEY) holds" in err
+        assert "hunter2" not in err
 
 
 def test_serve_usage_error_in_a_subprocess():

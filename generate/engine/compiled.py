@@ -259,7 +259,7 @@ def compile_steps(model: GPT, cache: KVCache, progress: Progress = None,
     on CUDA ``torch.compile``'s, one each."""
     if model.device.type != "cpu":
         return {w: jit_step(model, cache, progress, w) for w in sorted(set(widths))}
-    if torch.__version__ < (2, 13):  # (2.8 brought user-managed constants; 2.11-2.12's int4 template fails)
+    if torch.__version__ < (2, 13):  # (the suite's torch: 2.11-2.12 fail to build int4's template)
         raise RuntimeError(f"compiling on the CPU needs torch 2.13 or newer, not {torch.__version__}: "
                            "pip install torch==2.13.0, or generate without compiling")  # fmt: skip
     steps = {}

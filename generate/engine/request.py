@@ -21,14 +21,17 @@ def check_seed(seed: object) -> int | None:
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    """Return ``stop`` as a tuple; ValueError unless each is a non-empty string with no lone surrogate."""
-    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    """``stop`` (None, a string, a list or tuple of them) as a tuple; ValueError for anything else, an empty
+    string or one with a lone surrogate."""
+    stop = (stop,) if isinstance(stop, str) else () if stop is None else stop
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         if any("\ud800" <= c <= "\udfff" for c in s):
             raise ValueError(f"stop string {s!r} holds a lone surrogate, which no text can contain")
-    return stop
+    return tuple(stop)
 
 
 def check_prompt(prompt: Sequence[int], vocab: int, window: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from generate.engine.request import Request
+from generate.engine.request import Request, check_stop
 from generate.engine.sampling import SamplingParams
 from generate.serving.openai_fields import (
     CHAT_FIELDS,
@@ -95,6 +95,10 @@ def _options(body: dict) -> dict[str, Any]:
             f"got {body.get('stop')!r}; it must be a non-empty string or a list of at most "
             f"{MAX_STOP} non-empty strings",
         )
+    try:
+        check_stop(stop)  # (no lone surrogate)
+    except ValueError as e:
+        raise bad("stop", str(e)) from None
     n = integer(body, "n", 1, 1, MAX_N)
     seed = integer(body, "seed", None, 0, 2**64 - n)
     stream_options = body.get("stream_options")

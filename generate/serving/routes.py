@@ -23,6 +23,7 @@ from generate.serving import openai_api as oa
 from generate.serving.answer import Answer, PromptScorer, shutting_down, step_until_done
 from generate.serving.engine_loop import EngineLoop, QueueFull, Stopping, TooLarge
 from generate.serving.metrics_text import metrics_text
+from generate.serving.openai_fields import check_fields
 from generate.serving.state import State
 from generate.serving.streaming import ClientGone, failure, stream, wait_all
 
@@ -155,8 +156,7 @@ class Endpoints:
         gen, _ = self.state.ready()
         body = await checks.read_json(request, self.settings)
         checks.check_model(self.state, body)
-        if not isinstance(body, dict) or set(body) - {"model", "prompt", "messages"}:
-            raise oa.APIError('send {"prompt": text} or {"messages": [...]} (the chat template)', param=None)
+        body = check_fields(body, {"model", "prompt", "messages"})
         if "messages" in body:
             text = oa.render_chat(body["messages"])
         elif isinstance(body.get("prompt"), str):
@@ -173,8 +173,7 @@ class Endpoints:
         gen, _ = self.state.ready()
         body = await checks.read_json(request, self.settings)
         checks.check_model(self.state, body)
-        if not isinstance(body, dict) or set(body) - {"model", "tokens"}:
-            raise oa.APIError('send {"tokens": [token ids]}', param=None)
+        body = check_fields(body, {"model", "tokens"})
         tokens, vocab = body.get("tokens"), gen.tokenizer.n_vocab
         if not (
             isinstance(tokens, list)

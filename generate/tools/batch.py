@@ -22,7 +22,7 @@ from typing import Any
 
 import checkpoints
 from generate.api import Generator
-from generate.engine.request import Request, check_prompt
+from generate.engine.request import Request, check_prompt, check_stop
 from generate.engine.sampling import SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -75,16 +75,12 @@ def _request(gen: Generator, row: dict[str, Any], defaults: Defaults) -> Request
     prompt = row.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    stop = value("stop")
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    stop = check_stop(value("stop"))
     sampling = SamplingParams(temperature=value("temperature"), top_p=value("top_p"))
     ids = gen.encode(prompt)
     check_prompt(ids, gen.model.config.vocab_size, gen.model.config.n_positions)
     return Request(ids, sampling, value("max_new_tokens"), seed=value("seed"), eos_id=checkpoints.EOT_ID,
-                   stop=tuple(stop))  # fmt: skip
+                   stop=stop)  # fmt: skip
 
 
 def failed(row: dict[str, Any], error: str) -> dict[str, Any]:

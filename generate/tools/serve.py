@@ -117,9 +117,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty; give a key, or leave it out")
-    if args.api_key is not None and not all("!" <= c <= "~" for c in args.api_key):  # (what a header carries)
-        parser.error(f"--api-key {args.api_key!r} has a space or a character beyond ASCII, which no client "
-                     "can send in its Authorization header; use letters, digits and punctuation")  # fmt: skip
+    if args.api_key is not None and (bad := [c for c in args.api_key if not "!" <= c <= "~"]):  # (not shown)
+        parser.error(f"the API key (--api-key or $GPTGEN_API_KEY) holds {bad[0]!r}, U+{ord(bad[0]):04X}; "
+                     "use ASCII letters, digits and punctuation (an HTTP header carries it)")  # fmt: skip
     check_model_options(args, parser)
 
 
