@@ -146,6 +146,8 @@ def test_the_command_runs_the_file_and_says_what_it_wrote(ckpt, gen, tmp_path, c
      (("in.jsonl", "out.parquet"), [], 1, r"the output must be jsonl like the input"),
      (("noprompt.jsonl", "out.jsonl"), [], 1, r"row 1 has no 'prompt' column \(its columns: text\)"),
      (("in.jsonl", "out.jsonl"), ["--workers", "3"], 2, r"--workers and --cpus-per-worker apply with --ray"),
+     (("in.jsonl", "out.jsonl"), ["--workers", "2"], 2, r"--workers and --cpus-per-worker apply with --ray"),
+     (("in.jsonl", "out.jsonl"), ["--cpus-per-worker", "1"], 2, r"--workers and --cpus-per-worker apply"),
      (("in.jsonl", "out.jsonl"), ["--batch-size", "0"], 2, r"--batch-size must be >= 1, got 0"),
      (("in.jsonl", "out.jsonl"), ["-t", "-1"], 1, r"temperature=-1\.0 is out of range"),
      (("in.jsonl", "out.jsonl"), ["--stop", ""], 1, r"stop strings must be non-empty strings, got ''"),

@@ -49,19 +49,21 @@ def build_batch_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="rows generated together (slots; default 16)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray: a cluster's address, or none to start a local cluster")  # fmt: skip
-    p.add_argument("--workers", type=int, default=2, help="with --ray: model replicas (actors; default 2)")
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="with --ray: CPUs (threads) per worker")
+    p.add_argument("--workers", type=int, help="with --ray: model replicas (actors; default 2)")
+    p.add_argument("--cpus-per-worker", type=int, help="with --ray: CPUs (threads) per worker (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     return p
 
 
 def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     check_model_options(args, parser)
+    if args.ray is None and (args.workers is not None or args.cpus_per_worker is not None):
+        parser.error("--workers and --cpus-per-worker apply with --ray only")
+    args.workers = 2 if args.workers is None else args.workers
+    args.cpus_per_worker = 1 if args.cpus_per_worker is None else args.cpus_per_worker
     for name in ("batch_size", "workers", "cpus_per_worker"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.ray is None and (args.workers != 2 or args.cpus_per_worker != 1):
-        parser.error("--workers and --cpus-per-worker apply with --ray only")
     import_holding_signals("generate.tools.batch")
     defaults = _defaults(args)
     start = time.perf_counter()
