@@ -73,6 +73,8 @@ def read_config(path: Path) -> GPTConfig:
         ) from e
     except RecursionError as e:
         raise CheckpointError(f"{path} nests JSON too deeply to be a config; fix or regenerate it") from e
+    except ValueError as e:  # (an integer of more digits than Python converts)
+        raise CheckpointError(f"{path} is not a config: {e}; fix or regenerate it") from e
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path} must hold a JSON object, found {type(raw).__name__}")
     return config_from_dict(raw, source=str(path))

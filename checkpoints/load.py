@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import numbers
 import os
 import re
 from pathlib import Path
@@ -89,7 +90,7 @@ def _directory_files(directory: Path) -> list[Path]:
         try:
             data = read_small_file(index, MAX_INDEX_BYTES, "a safetensors index")
             weight_map = json.loads(data.decode("utf-8"))["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # (ValueError: not JSON)
             raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
         if (
             not isinstance(weight_map, dict)
@@ -316,6 +317,8 @@ def load(
         )
     if bits == 4:
         group_size = int4.DEFAULT_GROUP_SIZE if group_size is None else group_size
+        if isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool):
+            group_size = int(group_size)  # (a numpy integer too)
         int4.check_group_size(group_size)
     try:
         dtype = torch.float32 if quantize else resolve_dtype(dtype)
@@ -327,6 +330,10 @@ def load(
         raise ValueError(
             f"int4 runs on the CPU and CUDA only (stock kernels), not {device.type}; use int8 or bfloat16"
         )
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"source={source!r} must be a checkpoint's path or name (a str or os.PathLike)")
+    if config is not None and not isinstance(config, (GPTConfig, str, os.PathLike)):
+        raise ValueError(f"config={config!r} must be a GPTConfig, a preset name or a config.json path")
     cfg, files = _resolve(source, config)
     headers = {path: read_header(path) for path in files}  # each file's header, checked against its size
     _check_geometry(cfg, headers)  # before any module is built: an absurd config would hang or exhaust memory

@@ -54,7 +54,7 @@ def read_header(path: Path) -> dict[str, dict]:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
+    except (ValueError, RecursionError) as e:  # (not UTF-8, not JSON, a huge integer; absurd nesting)
         raise CheckpointError(
             f"{path} is not a safetensors file: its header is not valid JSON ({type(e).__name__}: {e})"
         ) from e
@@ -216,7 +216,10 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        tmp.touch()  # (created as any file is, under the umask: safetensors' own file would be 0600)
+        mode = tmp.stat().st_mode
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except OSError:
         raise

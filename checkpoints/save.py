@@ -57,6 +57,10 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
             (its linear layers hold quantized matrices and scales, which the GPT-2 layout has no place for).
         OSError: if the files cannot be written (a read-only or full disk), whatever layer failed.
     """
+    if not isinstance(model, GPT):
+        raise ValueError(f"model must be a model.GPT, got {type(model).__name__} (a Generator's: gen.model)")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"directory={directory!r} must be a path (a str or os.PathLike)")
     if isinstance(directory, str) and not directory.strip():
         raise ValueError('the directory to save into is empty; give a directory path ("." for this one)')
     quantized = {Int8Linear: "int8", Int8TiedEmbedding: "int8", Int4Linear: "int4", Int4TiedEmbedding: "int4"}

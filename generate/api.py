@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -86,7 +87,7 @@ class Generator:
         progress: Callable[[str], None] | None = None,
         draft: GPT | str | None = None,
     ) -> None:
-        if isinstance(draft, str) and draft != "ngram":
+        if not (draft is None or draft == "ngram" or isinstance(draft, GPT)):
             raise ValueError(
                 f"draft={draft!r}: give 'ngram' or a draft model (generate.load(..., draft=path))"
             )
@@ -156,10 +157,15 @@ class Generator:
         """
         if isinstance(text, str):
             ids = self.tokenizer.encode_ordinary(text)
-        elif isinstance(text, (bytes, bytearray)) or not all(isinstance(t, int) for t in text):
-            raise TypeError("text must be a str or a sequence of token ids (ints); decode bytes first")
+        elif (
+            not isinstance(text, Sequence)
+            or isinstance(text, (bytes, bytearray))
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in text)
+        ):  # (an iterator is no sequence: checking it would use it up)
+            raise TypeError(f"text must be a str or a list of token ids (ints), got {type(text).__name__}; "
+                            "decode bytes first")  # fmt: skip
         else:
-            ids = list(text)
+            ids = [int(t) for t in text]
         return score_ids(self.model, ids, stride=stride, batch_size=batch_size, progress=progress)
 
     @torch.inference_mode()
@@ -188,9 +194,8 @@ class Generator:
                 f"the text has {len(ids)} tokens but the window holds {window}; shorten it to at most "
                 f"{window} tokens"
             )
-        if layer is not None and (
-            isinstance(layer, bool) or not isinstance(layer, int) or not -n_layer <= layer < n_layer
-        ):
+        integral = isinstance(layer, numbers.Integral) and not isinstance(layer, bool)
+        if layer is not None and (not integral or not -n_layer <= layer < n_layer):
             raise ValueError(f"layer={layer!r} is out of range; this model has layers 0..{n_layer - 1}")
         x = torch.tensor([ids], device=self.model.device)
         with said_plainly("give a shorter text, one layer (layer=), or use a smaller dtype"):
@@ -404,7 +409,10 @@ def load(
     model = checkpoints.load(
         source, config=config, device=device, dtype=dtype, group_size=group_size, plain=plain
     )
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise ValueError(f"draft={draft!r}: give 'ngram' or a draft checkpoint's path or name")
     if draft is not None and str(draft) != "ngram":
         draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
+    draft = "ngram" if draft is not None and str(draft) == "ngram" else draft
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
                      draft=draft)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ def generate_ids(
         >>> generate_ids(model, [[464, 3290]], max_new_tokens=5, sampling=SamplingParams(temperature=0))
         ... # doctest: +SKIP
     """
+    _check(model, prompts, sampling, eos_id, slots, compile)
     cfg, sampling = model.config, sampling or SamplingParams()
     requests = make_requests(prompts, seed, cfg.vocab_size, cfg.n_positions, sampling=sampling,
                              max_new_tokens=max_new_tokens, eos_id=eos_id, logprobs=logprobs)  # fmt: skip
@@ -67,3 +69,30 @@ def generate_ids(
     return [
         TokenCompletion(r.token_ids, r.finish_reason, r.logprobs_list if logprobs else None) for r in requests
     ]
+
+
+def _check(
+    model: object, prompts: object, sampling: object, eos_id: object, slots: object, compile: object
+) -> None:
+    """ValueError naming the first of :func:`generate_ids`' arguments of the wrong kind or out of range."""
+    if not isinstance(model, GPT):
+        raise ValueError(
+            f"model must be a model.GPT, got {type(model).__name__} (a Generator's is gen.model)"
+        )
+    if (
+        isinstance(prompts, str)
+        or not isinstance(prompts, Sequence)
+        or any(isinstance(p, str) or not isinstance(p, Sequence) for p in prompts)
+    ):
+        raise ValueError("prompts must be a list of token id lists, such as [[464, 3290]]; encode text first")
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    integral = isinstance(eos_id, numbers.Integral) and not isinstance(eos_id, bool)
+    if eos_id is not None and (not integral or eos_id < 0):
+        raise ValueError(f"eos_id={eos_id!r} must be a token id (an integer >= 0), or None for none")
+    if slots is not None and (
+        isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1
+    ):
+        raise ValueError(f"slots={slots!r} must be an integer >= 1, or None for one per prompt")
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} must be True or False")

@@ -12,6 +12,7 @@ per scored token.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -79,12 +80,12 @@ def check_stride(stride: object, window: int) -> int:
     """``stride`` checked against the window (None: half of it); returns the stride."""
     if stride is None:
         return max(1, window // 2)
-    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride < window:
+    if isinstance(stride, bool) or not isinstance(stride, numbers.Integral) or not 1 <= stride < window:
         raise ValueError(
             f"stride={stride!r} is out of range; it must be an integer in 1..{window - 1} (the window of "
             f"{window} tokens minus 1, so every scored token has context); the default is {window // 2}"
         )
-    return stride
+    return int(stride)
 
 
 @torch.inference_mode()

@@ -121,3 +121,65 @@ def test_bytes_after_a_safetensors_files_data_are_refused(tmp_path):
         f.write(b"\0" * 16)
     with pytest.raises(CheckpointError, match="16 bytes follow its data"):
         checkpoints.load(tmp_path)
+
+
+def test_library_arguments_of_the_wrong_kind_are_value_errors_naming_them(tmp_path, text_ckpt):
+    from pathlib import Path
+
+    from model import GPTConfig
+
+    gen = generate.load(text_ckpt)
+    model = gen.model
+    for bad, match in [(iter([1, 2, 3]), "got list_iterator"), (5, "got int"), (b"ab", "got bytes")]:
+        with pytest.raises(
+            TypeError, match=rf"^text must be a str or a list of token ids \(ints\), {match}; decode"
+        ):
+            gen.score(bad)
+    assert gen.score([1, 2, np.int64(3)], stride=np.int64(4)).token_ids == [1, 2, 3]
+    assert gen.attention("to be", layer=np.int64(0)).shape[0] == model.config.n_head
+    cases = [
+        (dict(prompts=[1, 2]), r"^prompts must be a list of token id lists, such as \[\[464, 3290\]\]"),
+        (dict(prompts=["a b"]), r"^prompts must be a list of token id lists"),
+        (dict(sampling={"temperature": 0}), r"^sampling must be a SamplingParams, got dict$"),
+        (dict(eos_id="50256"), r"^eos_id='50256' must be a token id \(an integer >= 0\), or None for none$"),
+        (dict(eos_id=-1), r"^eos_id=-1 must be a token id"),
+        (dict(slots=0), r"^slots=0 must be an integer >= 1, or None for one per prompt$"),
+        (dict(compile="no"), r"^compile='no' must be True or False$"),
+        (dict(model=gen), r"^model must be a model\.GPT, got Generator \(a Generator's is gen\.model\)$"),
+    ]
+    for change, match in cases:
+        kwargs = dict(model=model, prompts=[[1, 2]], max_new_tokens=2) | change
+        with pytest.raises(ValueError, match=match):
+            generate_ids(kwargs.pop("model"), kwargs.pop("prompts"), **kwargs)
+    assert generate.load(text_ckpt, draft=Path("ngram")).draft == "ngram"  # (a path spelled "ngram")
+    for call, match in [
+        (lambda: generate.Generator(model, draft=5), r"^draft=5: give 'ngram' or a draft model"),
+        (lambda: generate.load(text_ckpt, draft=True), r"^draft=True: give 'ngram' or a draft checkpoint's"),
+        (lambda: generate.load(None), r"^source=None must be a checkpoint's path or name"),
+        (lambda: generate.load(text_ckpt, config=5), r"^config=5 must be a GPTConfig, a preset name or a"),
+        (lambda: checkpoints.save(gen, tmp_path / "x"), r"^model must be a model\.GPT, got Generator"),
+        (lambda: checkpoints.save(model, None), r"^directory=None must be a path"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not (tmp_path / "x").exists()
+    wide = checkpoints.save(make_model(TINY_CONFIGS["2x2x32"]), tmp_path / "wide")
+    assert checkpoints.load(wide, dtype="int4", group_size=np.int64(32)).config == TINY_CONFIGS["2x2x32"]
+    config = tmp_path / "huge" / "config.json"
+    config.parent.mkdir()
+    config.write_text(
+        json.dumps(GPTConfig(n_layer=1, n_head=2, n_embd=16).__dict__)[:-1] + ', "x": ' + "9" * 5000 + "}"
+    )
+    with pytest.raises(CheckpointError, match=r"huge/config\.json is not a config: .*4300"):
+        checkpoints.load(config.parent)
+
+
+def test_an_attention_text_argument_that_is_not_utf8_is_a_usage_error(capsys, tmp_path, monkeypatch):
+    from generate.tools import gptgen
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main(["attention", "caf\udce9", "-o", "x.png"])  # (how Python hands over a lone byte 0xe9)
+    assert exit_info.value.code == 2
+    assert "the text argument is not valid UTF-8 (byte 3)" in capsys.readouterr().err
+    assert not os.path.exists("x.png")

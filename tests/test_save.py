@@ -176,3 +176,14 @@ def test_a_write_the_safetensors_library_cannot_do_is_an_oserror(tmp_path):
     with pytest.raises(OSError, match=r"cannot write .*model\.safetensors"):
         checkpoints.save(our_model(), target)
     assert not (target / "model.safetensors").exists()
+
+
+def test_a_saved_checkpoints_files_are_readable_as_any_file_the_user_writes(tmp_path):
+    # safetensors writes its file 0600; a saved checkpoint is shared like its config.json (the umask's mode).
+    import stat
+
+    from checkpoints.load import SINGLE_FILE
+
+    checkpoints.save(make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)), tmp_path)
+    config, weights = (stat.S_IMODE((tmp_path / n).stat().st_mode) for n in ("config.json", SINGLE_FILE))
+    assert weights == config, (oct(weights), oct(config))

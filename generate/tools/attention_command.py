@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from generate.tools.cli import stdin_text
+from generate.tools.cli import argument_text, stdin_text
 from generate.tools.command_base import add_common_options, run_parsed
 from generate.tools.options import CommandParser, check_model_options, load_generator
 from generate.tools.runner import import_holding_signals
@@ -75,7 +75,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
 def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     size = _check(args, parser)
     output = Path(args.output)
-    text = args.text
+    text = argument_text(args.text, parser, "text")
     if text == "-":
         missing = "no text: give it as an argument, or pipe the text to standard input"
         text = stdin_text(parser, missing).removesuffix("\n")

@@ -66,14 +66,14 @@ __all__ = [
 MAX_INPUT_BYTES = 64 * 2**20
 
 
-def _argument_prompt(prompt: str, parser: argparse.ArgumentParser) -> str:
-    """The prompt argument, refused if the OS handed over bytes that are not UTF-8 (as lone surrogates)."""
+def argument_text(text: str, parser: argparse.ArgumentParser, what: str = "prompt") -> str:
+    """A text argument, refused if the OS handed over bytes that are not UTF-8 (as lone surrogates)."""
     try:
-        prompt.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:
-        byte = len(prompt[: e.start].encode("utf-8"))
-        parser.error(f"the prompt argument is not valid UTF-8 (byte {byte}); convert it to UTF-8")
-    return prompt
+        byte = len(text[: e.start].encode("utf-8"))
+        parser.error(f"the {what} argument is not valid UTF-8 (byte {byte}); convert it to UTF-8")
+    return text
 
 
 def _read_bounded(f: BinaryIO, what: str) -> bytes:
@@ -129,7 +129,7 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             raise ValueError(f"prompts file {args.prompts_file} has no prompts (only blank lines)")
         return prompts
     if args.prompt != "-":
-        return [(None, _argument_prompt(args.prompt, parser))]
+        return [(None, argument_text(args.prompt, parser))]
     text = stdin_text(parser, "no prompt: give one as an argument, or pipe it to standard input")
     # One line ending, as `echo` or a Windows editor writes it, ends the prompt; it is not part of it.
     return [(None, text[:-2] if text.endswith("\r\n") else text.removesuffix("\n"))]
