@@ -147,11 +147,13 @@ def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, cap
      (["--size", "10x10"], 2, r"--size '10x10' must be WIDTHxHEIGHT in pixels, each 100\.\.10000"),
      (["-o", "{dir}/a.bmp"], 2, r"--output .*a\.bmp' must end in \.png, \.svg, \.pdf"),
      (["-o", "{dir}/nowhere/a.png"], 1, r"cannot write .*/a\.png: the folder .*nowhere does not exist"),
+     (["-o", "{dir}/d.png"], 2, r"--output .*d\.png' is a folder; give a file in it, such as .*/a\.png"),
      (["--text", "word " * 40], 1, rf"the text has \d+ tokens but the window holds {WINDOW}")],
 )  # fmt: skip
 def test_command_errors_are_one_line_and_write_nothing(pair, tmp_path, capsys, options, status, match):
     _, _, directory = pair
     options = [o.format(dir=tmp_path) for o in options]
+    (tmp_path / "d.png").mkdir()  # (a folder named like a picture)
     text = TEXT
     if options[0] == "--text":
         text, options = options[1], []
@@ -160,7 +162,7 @@ def test_command_errors_are_one_line_and_write_nothing(pair, tmp_path, capsys, o
     assert code == status and out == ""
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert re.search(match, err), err
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [tmp_path / "d.png"] and not any((tmp_path / "d.png").iterdir())
 
 
 def test_without_matplotlib_the_command_says_what_to_install(pair, tmp_path, capsys, monkeypatch):

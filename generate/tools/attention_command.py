@@ -65,6 +65,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
     check_model_options(args, parser)
     if Path(args.output).suffix.lower() not in PICTURE_FORMATS:
         parser.error(f"--output {args.output!r} must end in {', '.join(PICTURE_FORMATS)}")
+    if Path(args.output).is_dir():
+        parser.error(f"--output {args.output!r} is a folder; give a file in it, such as {args.output}/a.png")
     if args.head is not None and args.mean:
         parser.error("give --head or --mean, not both")
     if args.mask and (args.head is not None or args.mean or args.layer is not None):
