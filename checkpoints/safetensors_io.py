@@ -5,6 +5,7 @@ Weights are only ever read as safetensors data (never ``torch.load``/pickle), on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -216,10 +217,11 @@ def write_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.touch()  # (created as any file is, under the umask: safetensors' own file would be 0600)
-        mode = tmp.stat().st_mode
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, mode)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        with contextlib.suppress(OSError):  # (as any new file, not safetensors' 0600; a mount may refuse)
+            os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except OSError:
         raise

@@ -406,13 +406,12 @@ def load(
     """
     # (compiled, the weights laid out plainly: a step of one row reads them in place)
     plain = compile and not deterministic
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise ValueError(f"draft={draft!r}: give 'ngram' or a draft checkpoint's path or name")
     model = checkpoints.load(
         source, config=config, device=device, dtype=dtype, group_size=group_size, plain=plain
     )
-    if draft is not None and not isinstance(draft, (str, os.PathLike)):
-        raise ValueError(f"draft={draft!r}: give 'ngram' or a draft checkpoint's path or name")
-    if draft is not None and str(draft) != "ngram":
+    if draft is not None and draft != "ngram":  # (a path, even one spelled ngram, is a checkpoint)
         draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
-    draft = "ngram" if draft is not None and str(draft) == "ngram" else draft
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
                      draft=draft)  # fmt: skip

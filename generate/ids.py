@@ -60,7 +60,9 @@ def generate_ids(
                              max_new_tokens=max_new_tokens, eos_id=eos_id, logprobs=logprobs)  # fmt: skip
     longest = max(len(r.prompt) for r in requests) + max(1, requests[0].max_new_tokens)
     max_len = min(model.config.n_positions, longest)
-    engine = Engine(model, slots=slots or len(prompts), max_len=max_len, compile=compile)
+    engine = Engine(
+        model, slots=len(prompts) if slots is None else int(slots), max_len=max_len, compile=compile
+    )
     for r in requests:
         engine.add(r)
     for _ in engine.run():
@@ -79,11 +81,11 @@ def _check(
         raise ValueError(
             f"model must be a model.GPT, got {type(model).__name__} (a Generator's is gen.model)"
         )
-    if (
-        isinstance(prompts, str)
-        or not isinstance(prompts, Sequence)
-        or any(isinstance(p, str) or not isinstance(p, Sequence) for p in prompts)
-    ):
+
+    def listed(x: object) -> bool:  # (a list, tuple or numpy array; not a string)
+        return hasattr(x, "__len__") and hasattr(x, "__iter__") and not isinstance(x, (str, bytes))
+
+    if not listed(prompts) or not all(listed(p) for p in prompts):
         raise ValueError("prompts must be a list of token id lists, such as [[464, 3290]]; encode text first")
     if sampling is not None and not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -94,5 +96,5 @@ def _check(
         isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1
     ):
         raise ValueError(f"slots={slots!r} must be an integer >= 1, or None for one per prompt")
-    if not isinstance(compile, bool):
+    if compile not in (True, False):
         raise ValueError(f"compile={compile!r} must be True or False")

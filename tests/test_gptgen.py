@@ -115,8 +115,9 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
         (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--api-key", " "], "--api-key is empty; give a key, or leave it out"),
-        (["--api-key", "abc "], "the API key (--api-key or $GPTGEN_API_KEY) holds ' ', U+0020; use ASCII"),
-        (["--api-key", "s\u00e9same"], "holds 'é', U+00E9; use ASCII letters, digits and punctuation"),
+        (["--api-key", "abc "], "the API key (--api-key or $GPTGEN_API_KEY) begins or ends with whitespace"),
+        (["--api-key", "s\u00e9same"], "holds 'é', U+00E9; use ASCII letters, digits, punctuation"),
+        (["--api-key", "a\tb"], "holds '\\t', U+0009; use ASCII"),
     ],
 )
 def test_serve_usage_errors_exit_2_with_one_line(args, mentions, capsys):
@@ -135,7 +136,7 @@ def test_serve_never_prints_the_api_key_it_refuses(capsys, monkeypatch):
         with pytest.raises(SystemExit) as exit_info:
             gptgen.main(["serve", *args])
         err = capsys.readouterr().err
-        assert exit_info.value.code == 2 and "the API key (--api-key or $GPTGEN_API_KEY) holds" in err
+        assert exit_info.value.code == 2 and "the API key (--api-key or $GPTGEN_API_KEY) " in err
         assert "hunter2" not in err
 
 

@@ -151,7 +151,9 @@ def test_library_arguments_of_the_wrong_kind_are_value_errors_naming_them(tmp_pa
         kwargs = dict(model=model, prompts=[[1, 2]], max_new_tokens=2) | change
         with pytest.raises(ValueError, match=match):
             generate_ids(kwargs.pop("model"), kwargs.pop("prompts"), **kwargs)
-    assert generate.load(text_ckpt, draft=Path("ngram")).draft == "ngram"  # (a path spelled "ngram")
+    assert generate_ids(model, [np.array([1, 2])], max_new_tokens=1, slots=np.int64(1))[0].token_ids
+    with pytest.raises(CheckpointError):  # (a path is a checkpoint's, even one spelled "ngram")
+        generate.load(text_ckpt, draft=Path(tmp_path / "ngram"))
     for call, match in [
         (lambda: generate.Generator(model, draft=5), r"^draft=5: give 'ngram' or a draft model"),
         (lambda: generate.load(text_ckpt, draft=True), r"^draft=True: give 'ngram' or a draft checkpoint's"),

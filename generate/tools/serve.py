@@ -117,9 +117,12 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         parser.error("--api-key is empty; give a key, or leave it out")
-    if args.api_key is not None and (bad := [c for c in args.api_key if not "!" <= c <= "~"]):  # (not shown)
-        parser.error(f"the API key (--api-key or $GPTGEN_API_KEY) holds {bad[0]!r}, U+{ord(bad[0]):04X}; "
-                     "use ASCII letters, digits and punctuation (an HTTP header carries it)")  # fmt: skip
+    key, source = args.api_key, "the API key (--api-key or $GPTGEN_API_KEY)"  # (never shown)
+    if key is not None and key != key.strip():
+        parser.error(f"{source} begins or ends with whitespace, which an HTTP header drops; remove it")
+    if key is not None and (bad := [c for c in key if not " " <= c <= "~"]):
+        parser.error(f"{source} holds {bad[0]!r}, U+{ord(bad[0]):04X}; use ASCII letters, digits, "
+                     "punctuation and spaces (an HTTP header carries it)")  # fmt: skip
     check_model_options(args, parser)
 
 
