@@ -340,6 +340,31 @@ def test_64_concurrent_streams_equal_the_offline_api_and_rss_stays_flat(server, 
     assert server.metric("slots_busy") == 0 and server.metric("queue_depth") == 0
 
 
+def test_metrics_write_counts_exactly_past_a_million():
+    from generate.serving.metrics_text import _Lines
+
+    out = _Lines()
+    out.metric("tokens_total", "counter", "Tokens.", [("", 1_234_567), ('{status="200"}', 2_000_003)])
+    out.metric("step_seconds", "summary", "Steps.", [("_sum", 0.1), ("_count", 3)])
+    samples = [line for line in out.lines if not line.startswith("#")]
+    assert samples == ["gptgen_tokens_total 1234567", 'gptgen_tokens_total{status="200"} 2000003',
+                       "gptgen_step_seconds_sum 0.1", "gptgen_step_seconds_count 3"]  # fmt: skip
+
+
+def test_a_client_that_leaves_a_request_that_is_not_streamed_frees_its_slots(server):
+    # A running request gets an update every step: the client's leaving is still looked for, every 0.25 s.
+    cancelled = server.metric("requests_cancelled_total")
+    body = {"prompt": "Hark", "max_tokens": 400, "temperature": 0.9, "stop": "zzzzqqq", "n": 2}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 3
+    while server.metric("slots_busy") != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.metric("slots_busy") == 0  # (it took about 6 s to finish all 800 tokens)
+    assert server.metric("requests_cancelled_total") == cancelled + 2
+    assert server.logged("POST /v1/completions 499", timeout=5)
+
+
 def test_a_client_that_drops_mid_stream_frees_its_slot(server):
     cancelled = server.metric("requests_cancelled_total")
     body = {"model": "shakespeare", "prompt": "Long ago", "max_tokens": 400, "stream": True, "temperature": 0}

@@ -13,7 +13,9 @@ class _Lines:
 
     def metric(self, name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> None:
         self.lines.extend([f"# HELP gptgen_{name} {help}", f"# TYPE gptgen_{name} {kind}"])
-        self.lines.extend(f"gptgen_{name}{labels} {value:g}" for labels, value in samples)
+        # Counts exactly (:g would round past a million), other values as Python writes a float.
+        self.lines.extend(f"gptgen_{name}{labels} {value if isinstance(value, int) else float(value)!r}"
+                          for labels, value in samples)  # fmt: skip
 
 
 def metrics_text(state: State) -> str:
@@ -24,7 +26,7 @@ def metrics_text(state: State) -> str:
     if spec is not None:
         _speculative_metrics(out, spec.stats())
     out.metric(
-        "ready", "gauge", "1 once the model is loaded (and compiled).", [("", float(state.status == "ok"))]
+        "ready", "gauge", "1 once the model is loaded (and compiled).", [("", int(state.status == "ok"))]
     )
     return "\n".join(out.lines) + "\n"
 

@@ -4,6 +4,8 @@ server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
@@ -18,18 +20,17 @@ class ClientGone(Exception):
 
 
 async def wait_all(request: HTTPRequest, queue: asyncio.Queue, count: int) -> list[Update]:
-    """Collect updates until ``count`` choices finished; a client that goes away raises ClientGone."""
-    finals = []
+    """Collect updates until ``count`` choices finished; a client that goes away raises ClientGone (looked
+    for every 0.25 s, whether or not updates arrive: a running request gets one every step)."""
+    finals, looked = [], time.monotonic()
     while len(finals) < count:
-        getter = asyncio.ensure_future(queue.get())
-        while not getter.done():
-            await asyncio.wait({getter}, timeout=0.25)
-            if not getter.done() and await request.is_disconnected():
-                getter.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            update = await asyncio.wait_for(queue.get(), timeout=0.25)
+            finals += [update] if update.finish_reason is not None else []
+        if time.monotonic() - looked >= 0.25:
+            looked = time.monotonic()
+            if await request.is_disconnected():
                 raise ClientGone
-        update = getter.result()
-        if update.finish_reason is not None:
-            finals.append(update)
     return finals
 
 
