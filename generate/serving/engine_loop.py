@@ -270,11 +270,13 @@ class EngineLoop:
 
     def _apply(self, incoming: list[tuple[Request, _Sink]], cancels: list[Request]) -> None:
         """Drop cancelled requests and join new ones (between steps only)."""
-        cancelled = {id(r) for r in cancels}
+        cancelled, arriving = {id(r) for r in cancels}, {id(r) for r, _ in incoming}
         for request in cancels:
-            if id(request) in self._active and not request.done:
-                self.engine.cancel(request)
+            joined = id(request) in self._active
+            if not request.done and (joined or id(request) in arriving):  # (one cancelled as it came too)
                 self.metrics.cancelled += 1
+                if joined:
+                    self.engine.cancel(request)
             self._active.pop(id(request), None)
         for request, sink in incoming:
             if id(request) in cancelled:

@@ -67,8 +67,9 @@ class Endpoints:
                 note["error"] = e.message
             if not isinstance(response, StreamingResponse):
                 self._log(request, endpoint, response.status_code, start, note)
-            else:
-                note["log"] = lambda: self._log(request, endpoint, response.status_code, start, note)
+            else:  # (logged when the stream ends: 499 where its client went away first)
+                status = lambda: 499 if note.get("cancelled") else response.status_code  # noqa: E731
+                note["log"] = lambda: self._log(request, endpoint, status(), start, note)
             return response
 
         return handler
