@@ -385,6 +385,27 @@ def test_a_request_cancelled_in_the_same_turn_it_arrives_counts_as_cancelled():
     assert loop.metrics.cancelled == 2 and not loop.engine.has_work
 
 
+def test_attention_requests_waiting_for_a_turn_count_in_the_completions_queue():
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
+    from generate.serving.engine_loop import EngineLoop, QueueFull
+    from helpers import make_model
+    from model import GPTConfig
+
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    loop = EngineLoop(Engine(model, slots=1), max_queue=4)
+    loop.turns_waiting = 3  # (as /v1/attention's waiters set it)
+
+    async def submit(count: int) -> None:
+        loop.submit([Request([1], max_new_tokens=1) for _ in range(count)])
+
+    with pytest.raises(QueueFull, match=r"\(0 requests waiting for 1 slots and 3 attention requests for a"):
+        asyncio.run(submit(2))
+    asyncio.run(submit(1))  # the fourth
+    with pytest.raises(QueueFull, match=r"\(1 requests waiting for a slot and 3 attention requests for a"):
+        loop.admit()
+
+
 def test_a_client_that_leaves_a_request_that_is_not_streamed_frees_its_slots(server):
     # A running request gets an update every step: the client's leaving is still looked for, every 0.25 s.
     cancelled, left = server.metric("requests_cancelled_total"), server.count("POST /v1/completions 499")

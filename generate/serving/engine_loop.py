@@ -108,6 +108,7 @@ class EngineLoop:
         self._calls: list[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = []
         self._active: dict[int, tuple[Request, _Sink]] = {}  # id(request) -> (request, sink)
         self._closed = False
+        self.turns_waiting = 0  # attention requests admitted that wait for a turn: they count in the queue
         self._deadline: float | None = None  # set by stop(): when what still runs is ended
 
     @property
@@ -138,10 +139,11 @@ class EngineLoop:
                     f"the request asks for {len(requests)} completions (prompts x n) but the server queues "
                     f"at most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
                 )
-            if self.queued + len(requests) > self.max_queue:
+            if self.queued + self.turns_waiting + len(requests) > self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
-                    f"slots, limit {self.max_queue}); retry later"
+                    f"slots and {self.turns_waiting} attention requests for a turn, limit {self.max_queue}); "
+                    "retry later"
                 )
             self._incoming += [(r, _Sink(queue, loop, i)) for i, r in enumerate(requests)]
             self._lock.notify()
@@ -153,21 +155,22 @@ class EngineLoop:
             self._cancels += requests
             self._lock.notify()
 
-    def admit(self, waiting: int = 0) -> None:
+    def admit(self) -> None:
         """Admit one more piece of work that runs through :meth:`call` (an attention request) as
-        :meth:`submit` admits a request: ``waiting`` such pieces already wait for their turn.
+        :meth:`submit` admits a request: :attr:`turns_waiting` such pieces already wait for their turn.
 
         Raises:
-            QueueFull: if the requests waiting for a slot and the ``waiting`` pieces reach ``max_queue``.
+            QueueFull: if the requests waiting for a slot and the pieces waiting reach ``max_queue``.
             Stopping: if the server is shutting down.
         """
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise Stopping(SHUTDOWN)
-            if self.queued + waiting >= self.max_queue:
+            if self.queued + self.turns_waiting >= self.max_queue:
                 raise QueueFull(
-                    f"the server's queue is full ({self.queued} requests waiting for a slot and {waiting} "
-                    f"attention requests for a turn, limit {self.max_queue}); retry later"
+                    f"the server's queue is full ({self.queued} requests waiting for a slot and "
+                    f"{self.turns_waiting} attention requests for a turn, limit {self.max_queue}); retry "
+                    "later"
                 )
 
     async def call(self, fn: Callable[[], Any]) -> Any:

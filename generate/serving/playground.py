@@ -148,7 +148,6 @@ class _Attention:
     def __init__(self, read: Read, encoder: Callable[[Generator], Callable[[str], list[int]]], name: str):
         self.read, self.encoder, self.name = read, encoder, name
         self.turns: asyncio.Semaphore | None = None  # at most a slot count of requests compute at once
-        self.waiting = 0  # requests admitted that wait for a turn
 
     async def __call__(self, request: HTTPRequest, note: dict) -> Response:
         gen, loop, body = await self.read(request)
@@ -166,17 +165,17 @@ class _Attention:
     async def _compute(self, job: AttentionJob, loop: EngineLoop, request: HTTPRequest, note: dict) -> None:
         """Admit the job as a request (its wait for a turn counts in the queue), then run its calls."""
         try:
-            loop.admit(self.waiting)
+            loop.admit()
         except QueueFull as e:
             raise oa.APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
         except Stopping:
             raise shutting_down() from None
         self.turns = self.turns or asyncio.Semaphore(loop.engine.slots)
-        self.waiting += 1
+        loop.turns_waiting += 1  # (the asyncio thread's alone, as submit's check)
         try:
             await self.turns.acquire()
         finally:
-            self.waiting -= 1
+            loop.turns_waiting -= 1
         try:
             await step_until_done(loop, request, note, job)
         except Stopping:
