@@ -260,6 +260,8 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
     with torch.inference_mode():
         full = torch.log_softmax(offline.model(torch.tensor([ids]))[0, 0], -1)
     assert lp.token_logprobs[1] == pytest.approx(float(full[ids[1]]), abs=1e-5)
+    best = offline.tokenizer.decode([int(full.argmax())])  # a prompt token's alternatives, as OpenAI gives
+    assert list(lp.top_logprobs[1]) == [best] and lp.top_logprobs[1][best] == pytest.approx(float(full.max()))
     assert len(lp.tokens) == len(ids) + len(want.token_ids)
     streamed = client.completions.create(
         model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, stream=True

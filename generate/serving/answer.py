@@ -53,6 +53,7 @@ class Answer:
         self.model, self.created = model_name, int(time.time())
         self.name = oa.TokenText(gen.tokenizer.decode_single_token_bytes)
         self.prompt_logprobs: list[list[float | None]] = []
+        self.prompt_top: list[list[dict[int, float] | None]] = []  # (each prompt's, as scored for echo)
         self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes) for _ in requests]
         self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
 
@@ -78,7 +79,7 @@ class Answer:
         if first and self.job.echo:
             prompt = self.job.prompts[self.prompt_of(index)]
             tokens, logprobs = prompt + tokens, self.prompt_logprobs[self.prompt_of(index)] + logprobs
-            top = [None] + [{} for _ in prompt[1:]] + top
+            top = self.prompt_top[self.prompt_of(index)] + top
         return oa.completion_logprobs(tokens, logprobs, top, self.name, self.offsets[index])
 
     def whole(self) -> dict[str, Any]:
@@ -124,12 +125,15 @@ def sse(obj: object) -> str:
 
 
 class PromptScorer:
-    """Each prompt token's log-probability given the tokens before it (the first has none), computed
-    :data:`SCORE_CHUNK` positions a call through a KV cache of the prompt's own: the server runs one call
-    between two decode steps, so scoring a long prompt never stalls the streams for long."""
+    """Each prompt token's log-probability given the tokens before it (the first has none), and the ``top``
+    most likely tokens' there (by id, as a generated token's), computed :data:`SCORE_CHUNK` positions a call
+    through a KV cache of the prompt's own: the server runs one call between two decode steps, so scoring a
+    long prompt never stalls the streams for long."""
 
-    def __init__(self, gen: Generator, prompt: list[int]) -> None:
-        self.model, self.prompt, self.logprobs = gen.model, prompt, [None]
+    def __init__(self, gen: Generator, prompt: list[int], top: int = 0) -> None:
+        self.model, self.prompt, self.top = gen.model, prompt, top
+        self.logprobs: list[float | None] = [None]
+        self.alternatives: list[dict[int, float] | None] = [None]
         self.cache = None  # made by the first step, in the engine's thread; dropped by the last
 
     @property
@@ -152,6 +156,10 @@ class PromptScorer:
             positions = torch.arange(start, end, device=device)[None]
             logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
             chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
-            self.logprobs += torch.log_softmax(logits, dim=-1).gather(-1, chosen)[:, 0].tolist()
+            log_probs = torch.log_softmax(logits, dim=-1)
+            self.logprobs += log_probs.gather(-1, chosen)[:, 0].tolist()
+            values, ids = log_probs.topk(min(self.top, log_probs.shape[-1]))  # (none: an empty dict each)
+            self.alternatives += [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                                               strict=True)]  # fmt: skip
         if self.done:
             self.cache = None

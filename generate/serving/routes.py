@@ -126,10 +126,11 @@ class Endpoints:
         self.state.scoring = self.state.scoring or asyncio.Semaphore(loop.engine.slots)
         try:
             for p in answer.job.prompts:
-                scorer = PromptScorer(gen, p)
+                scorer = PromptScorer(gen, p, answer.job.logprobs or 0)
                 async with self.state.scoring:
                     await step_until_done(loop, request, note, scorer)
                 answer.prompt_logprobs.append(scorer.logprobs)
+                answer.prompt_top.append(scorer.alternatives)
         except BaseException:
             loop.cancel(answer.requests)
             raise
