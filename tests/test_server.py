@@ -370,21 +370,22 @@ def test_a_request_cancelled_in_the_same_turn_it_arrives_counts_as_cancelled():
     model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
     loop = EngineLoop(Engine(model, slots=1), max_queue=4)
 
-    def turn() -> None:  # what the engine's thread takes between two steps (it does not run here)
+    def turn(*cancels: Request, gone: bool = True) -> None:  # what the engine's thread does between steps
+        loop.cancel(list(cancels))
         incoming, cancels, loop._incoming, loop._cancels = loop._incoming, loop._cancels, [], []
-        loop._apply(incoming, cancels)
+        loop._apply(incoming, cancels, gone)
 
-    came, later = Request([1, 2], max_new_tokens=5), Request([3], max_new_tokens=5)
+    async def submit(*requests: Request) -> None:
+        loop.submit(list(requests))
 
-    async def submit() -> None:
-        loop.submit([came, later])
-
-    asyncio.run(submit())
-    loop.cancel([came])  # in the turn it arrives
-    turn()
-    loop.cancel([later])  # after it joined the engine
-    turn()
+    came, later, ended = (Request([t], max_new_tokens=5) for t in (1, 2, 3))
+    asyncio.run(submit(came, later))
+    turn(came, came)  # in the turn it arrives, twice: counted once
+    turn(later)  # after it joined the engine
     assert loop.metrics.cancelled == 2 and not loop.engine.has_work
+    asyncio.run(submit(ended))
+    turn(ended, gone=False)  # (as a shutdown's sweep: no client went away)
+    assert loop.metrics.cancelled == 2
 
 
 def test_attention_requests_waiting_for_a_turn_count_in_the_completions_queue():
@@ -411,9 +412,9 @@ def test_attention_requests_waiting_for_a_turn_count_in_the_completions_queue():
 def test_a_client_that_leaves_a_request_that_is_not_streamed_frees_its_slots(server):
     # A running request gets an update every step: the client's leaving is still looked for, every 0.25 s.
     cancelled, left = server.metric("requests_cancelled_total"), server.count("POST /v1/completions 499")
-    body = {"prompt": "Hark", "max_tokens": 400, "temperature": 0.9, "stop": "zzzzqqq", "n": 2}
+    body = {"prompt": "Hark", "max_tokens": 500, "temperature": 0.9, "stop": "zzzzqqq", "n": 2, "seed": 3}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 3
     while server.metric("slots_busy") != 0 and time.monotonic() < deadline:
         time.sleep(0.05)

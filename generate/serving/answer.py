@@ -132,6 +132,7 @@ class PromptScorer:
 
     def __init__(self, gen: Generator, prompt: list[int], top: int = 0) -> None:
         self.model, self.prompt, self.top = gen.model, prompt, top
+        self.vocab = min(gen.model.config.vocab_size, gen.tokenizer.n_vocab)
         self.logprobs: list[float | None] = [None]
         self.alternatives: list[dict[int, float] | None] = [None]
         self.cache = None  # made by the first step, in the engine's thread; dropped by the last
@@ -155,6 +156,7 @@ class PromptScorer:
             ids = torch.tensor([self.prompt[start:end]], device=device)
             positions = torch.arange(start, end, device=device)[None]
             logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
+            logits = logits[:, : self.vocab]  # (a padded vocabulary's ids beyond the tokenizer's: none)
             chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
             log_probs = torch.log_softmax(logits, dim=-1)
             self.logprobs += log_probs.gather(-1, chosen)[:, 0].tolist()

@@ -214,9 +214,10 @@ class EngineLoop:
                 # One call (a prompt's logprobs) between two steps: queued calls never stall the streams.
                 incoming, cancels, calls = self._incoming, self._cancels, self._calls[:1]
                 self._incoming, self._cancels, self._calls = [], [], self._calls[1:]
+                gone = not self._closed  # (cancels at shutdown are no clients gone)
             for fn, future, loop in calls:
                 self._answer(fn, future, loop)
-            self._apply(incoming, cancels)
+            self._apply(incoming, cancels, gone)
             if self._closed and not self.engine.has_work:
                 with self._lock:  # calls still queued are answered: no caller waits for good
                     calls, self._calls = self._calls, []
@@ -271,16 +272,18 @@ class EngineLoop:
             result = (False, e)
         loop.call_soon_threadsafe(settle, *result)
 
-    def _apply(self, incoming: list[tuple[Request, _Sink]], cancels: list[Request]) -> None:
-        """Drop cancelled requests and join new ones (between steps only)."""
-        cancelled, arriving = {id(r) for r in cancels}, {id(r) for r, _ in incoming}
-        for request in cancels:
-            joined = id(request) in self._active
-            if not request.done and (joined or id(request) in arriving):  # (one cancelled as it came too)
-                self.metrics.cancelled += 1
+    def _apply(self, incoming: list[tuple[Request, _Sink]], cancels: list[Request],
+               gone: bool = True) -> None:  # fmt: skip
+        """Drop cancelled requests (counted where their clients are ``gone``) and join new ones (between steps
+        only)."""
+        cancelled, arriving = {id(r): r for r in cancels}, {id(r) for r, _ in incoming}
+        for key, request in cancelled.items():
+            joined = key in self._active
+            if not request.done and (joined or key in arriving):  # (one cancelled as it came too)
+                self.metrics.cancelled += gone
                 if joined:
                     self.engine.cancel(request)
-            self._active.pop(id(request), None)
+            self._active.pop(key, None)
         for request, sink in incoming:
             if id(request) in cancelled:
                 continue

@@ -51,6 +51,7 @@ async def stream(answer: Answer, loop: EngineLoop, queue: asyncio.Queue, note: d
         while finished < len(answer.requests):
             update: Update = await queue.get()
             if update.error:
+                note["error"] = update.error  # (an error sent in the stream: not a client gone)
                 yield sse(failure(update.error).body())
                 break
             finished += update.finish_reason is not None
@@ -63,6 +64,6 @@ async def stream(answer: Answer, loop: EngineLoop, queue: asyncio.Queue, note: d
     finally:
         if finished < len(answer.requests):
             loop.cancel(answer.requests)
-            note["cancelled"] = True
+            note["cancelled"] = "error" not in note
         note["completion"] = sum(len(r.token_ids) for r in answer.requests)
         note.pop("log", lambda: None)()
