@@ -22,7 +22,7 @@ from typing import Any
 
 import checkpoints
 from generate.api import Generator
-from generate.engine.request import Request, check_prompt, check_stop
+from generate.engine.request import Request, check_prompt
 from generate.engine.sampling import SamplingParams
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -75,12 +75,11 @@ def _request(gen: Generator, row: dict[str, Any], defaults: Defaults) -> Request
     prompt = row.get("prompt")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    stop = check_stop(value("stop"))
     sampling = SamplingParams(temperature=value("temperature"), top_p=value("top_p"))
     ids = gen.encode(prompt)
     check_prompt(ids, gen.model.config.vocab_size, gen.model.config.n_positions)
     return Request(ids, sampling, value("max_new_tokens"), seed=value("seed"), eos_id=checkpoints.EOT_ID,
-                   stop=stop)  # fmt: skip
+                   stop=value("stop"))  # fmt: skip
 
 
 def failed(row: dict[str, Any], error: str) -> dict[str, Any]:
