@@ -266,6 +266,23 @@ def _plan(model: GPT, headers: dict[Path, dict[str, dict]]) -> dict[Path, dict[s
     return plan
 
 
+def _check_tied_head(headers: dict[Path, dict[str, dict]]) -> None:
+    """A file's ``lm_head.weight`` must equal ``wte.weight``, bit for bit: the head is the tied embedding, so
+    an untied head (one that differs) is refused, not dropped. Read a piece of each at a time."""
+    where = {key.removeprefix(PREFIX): (path, key) for path, header in headers.items() for key in header}
+    if "lm_head.weight" not in where or "wte.weight" not in where:
+        return
+    (head_path, head_key), (wte_path, wte_key) = where["lm_head.weight"], where["wte.weight"]
+    untied = (f"{head_path}: tensor {head_key} differs from {wte_key}: an output head of its own, which this "
+              "loader does not support (the head is the token embedding, tied as in GPT-2)")  # fmt: skip
+    if headers[head_path][head_key]["dtype"] != headers[wte_path][wte_key]["dtype"]:
+        raise CheckpointError(f"{untied}; they are even stored in different dtypes")
+    heads, wtes = iter_tensors(head_path, {head_key: ""}), iter_tensors(wte_path, {wte_key: ""})
+    for (_, index, head), (_, _, wte) in zip(heads, wtes, strict=True):  # (same shape and dtype: same pieces)
+        if not torch.equal(head, wte):
+            raise CheckpointError(f"{untied} (from row {index[0].start})")
+
+
 def load(
     source: str | os.PathLike[str],
     *,
@@ -340,6 +357,7 @@ def load(
     with torch.device("meta"):  # shapes only: weights are allocated once, below, and filled in place
         model = GPT(cfg)
     plan = _plan(model, headers)
+    _check_tied_head(headers)
     if bits == 4:
         widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
         for width in sorted(widths | ({cfg.n_embd} if include_head else set())):

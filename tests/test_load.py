@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import checkpoints
-from checkpoints import CheckpointError
+from checkpoints import CheckpointError, safetensors_io
 from helpers import assert_same_logits, random_ids, save_hf, tiny_checkpoint
 from model import GPTConfig
 
@@ -281,6 +281,23 @@ def test_a_stored_output_head_is_accepted_when_it_fits_and_refused_when_not(ckpt
         CheckpointError,
         match=r"lm_head\.weight has shape \(7, 3\) but the output head is tied to wte, \(50, 32\)",
     ):
+        checkpoints.load(ckpt[0])
+
+
+def test_a_stored_output_head_that_differs_from_the_embedding_is_refused_not_dropped(ckpt, monkeypatch):
+    # transformers computes such a file's logits with its lm_head: dropping it would give other logits.
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 32 * 4 * 8)  # pieces of 8 rows: row 37 in the 5th
+
+    def untie(state, dtype=torch.float32):
+        state["lm_head.weight"] = state["transformer.wte.weight"].clone().to(dtype)
+        state["lm_head.weight"][37, 5] += 1e-7
+
+    rewrite_weights(ckpt[0], untie)
+    own_head = r"lm_head\.weight differs from transformer\.wte\.weight: an output head of its own, which this"
+    with pytest.raises(CheckpointError, match=own_head + r" loader does not support .* \(from row 32\)"):
+        checkpoints.load(ckpt[0])
+    rewrite_weights(ckpt[0], lambda s: untie(s, torch.float16))
+    with pytest.raises(CheckpointError, match=r"differs from .*; they are even stored in different dtypes"):
         checkpoints.load(ckpt[0])
 
 
