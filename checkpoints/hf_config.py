@@ -24,6 +24,10 @@ _UNSUPPORTED = {
     "tie_word_embeddings": True,
 }
 
+# Other names transformers' GPT2Config accepts for four fields (its attribute_map).
+_ALIASES = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+            "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}  # fmt: skip
+
 
 def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> GPTConfig:
     """Build a :class:`GPTConfig` from a GPT-2 ``config.json`` dictionary.
@@ -44,6 +48,12 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> GPTConfi
         if key in raw and raw[key] != plain:
             raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (only {plain!r} is)")
     values = {name: raw[name] for name in _FIELDS if name in raw}
+    for alias, name in _ALIASES.items():  # (GPT2Config's attribute_map: transformers reads these too)
+        if alias in raw and name in raw and raw[alias] != raw[name]:
+            raise CheckpointError(f"{source}: {name}={raw[name]!r} but {alias}={raw[alias]!r}, which names "
+                                  "the same setting; keep one of them")  # fmt: skip
+        if alias in raw:
+            values[name] = raw[alias]
     if "n_positions" not in raw and "n_ctx" in raw:  # very old configs name the window n_ctx
         values["n_positions"] = raw["n_ctx"]
     try:

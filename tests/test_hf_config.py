@@ -43,6 +43,18 @@ def test_reads_transformers_own_config_dict():
     )
 
 
+def test_transformers_other_names_for_four_fields_are_read_as_it_reads_them():
+    raw = {"hidden_size": 48, "num_attention_heads": 8, "num_hidden_layers": 3, "max_position_embeddings": 16}
+    hf = transformers.GPT2Config.from_dict(raw)
+    want = GPTConfig(n_embd=48, n_head=8, n_layer=3, n_positions=16)
+    assert (hf.n_embd, hf.n_head, hf.n_layer, hf.n_positions) == (48, 8, 3, 16)
+    assert config_from_dict(raw) == want  # (the head count was silently 12: no weight's shape shows it)
+    assert config_from_dict({**raw, "n_head": 8}) == want
+    with pytest.raises(CheckpointError, match=r"cfg: n_head=4 but num_attention_heads=8, which names the "
+                       r"same setting; keep one of them"):  # fmt: skip
+        config_from_dict({**raw, "n_head": 4}, source="cfg")
+
+
 @pytest.mark.parametrize(
     "config",
     [GPTConfig(), GPTConfig(vocab_size=300, n_positions=16, n_embd=48, n_layer=5, n_head=3),
