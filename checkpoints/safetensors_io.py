@@ -21,6 +21,7 @@ from checkpoints.errors import CheckpointError
 
 # Safetensors dtype codes a checkpoint may store its weights in.
 FILE_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 # GPT-2 checkpoints store these four matrices as Conv1D weights, (in, out): nn.Linear wants (out, in).
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers that older GPT-2 checkpoints carry (the causal mask and its fill value): rebuilt, never read.
@@ -70,6 +71,11 @@ def read_header(path: Path) -> dict[str, dict]:
                 "a shape list of integers and two integer data_offsets"
             )
         end = max(end, info["data_offsets"][1])
+        begin, stop = info["data_offsets"]  # (checked before anything is allocated for the shape)
+        need = math.prod(info["shape"]) * _ITEMSIZE.get(info["dtype"], 0)
+        if info["dtype"] in _ITEMSIZE and stop - begin != need:  # (other dtypes are refused by name)
+            raise CheckpointError(f"cannot read {path} as safetensors: tensor {name} spans {stop - begin} "
+                                  f"bytes but {info['dtype']} {info['shape']} needs {need}")  # fmt: skip
     _check_ranges(path, header)
     if 8 + header_len + end > size:
         raise CheckpointError(
@@ -177,13 +183,7 @@ def iter_tensors(path: Path, names: dict[str, str]) -> Iterator[tuple[str, Index
                 info = header[file_key]
                 dtype, shape = FILE_DTYPES[info["dtype"]], info["shape"]
                 begin, end = info["data_offsets"]
-                itemsize = torch.empty((), dtype=dtype).element_size()
-                size = math.prod(shape) * itemsize
-                if end - begin != size:
-                    raise CheckpointError(
-                        f"cannot read {path} as safetensors: tensor {file_key} spans {end - begin} bytes but "
-                        f"{info['dtype']} {shape} needs {size}"
-                    )
+                size = end - begin  # (read_header checked it against the shape)
                 if not shape or size == 0:  # a scalar or an empty tensor: one piece
                     f.seek(8 + header_len + begin)
                     data = bytearray(f.read(size))

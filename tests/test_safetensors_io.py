@@ -67,6 +67,22 @@ def test_header_inconsistent_with_data(ckpt):
         checkpoints.load(ckpt[0])
 
 
+def test_a_shape_its_bytes_cannot_hold_is_refused_before_the_model_is_allocated(ckpt):
+    # A 125 KB file claiming 20 billion embedding rows (2.5 TB, matching its config): refused from the header,
+    # not after allocating (then an allocator's error) or zero-filling the model.
+    path = ckpt[0] / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    header["transformer.wte.weight"]["shape"] = [20_000_000_000, 32]
+    path.write_bytes(header_bytes(header) + raw[8 + n :])
+    config = json.loads((ckpt[0] / "config.json").read_text())
+    (ckpt[0] / "config.json").write_text(json.dumps({**config, "vocab_size": 20_000_000_000}))
+    with pytest.raises(CheckpointError, match=r"as safetensors: tensor transformer\.wte\.weight spans 6400 bytes "
+                       r"but F32 \[20000000000, 32\] needs 2560000000000"):  # fmt: skip
+        checkpoints.load(ckpt[0])
+
+
 @pytest.mark.parametrize(
     "entry",
     [{"dtype": ["F32"], "shape": [50, 32]}, {"dtype": "F32", "shape": 5},
