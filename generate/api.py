@@ -183,8 +183,8 @@ class Generator:
             forward uses, computed explicitly.
 
         Raises:
-            ValueError: if the text has more tokens than the window (``n_positions``), or ``layer`` is out
-                of range.
+            ValueError: if the text has more tokens than the window (``n_positions``) or a token outside the
+                model's vocabulary, or ``layer`` is out of range.
             MemoryError: if the allocator runs out of memory (said plainly).
         """
         ids = self.encode(text)
@@ -194,6 +194,8 @@ class Generator:
                 f"the text has {len(ids)} tokens but the window holds {window}; shorten it to at most "
                 f"{window} tokens"
             )
+        if (bad := max(ids)) >= (vocab := self.model.config.vocab_size):  # (a model smaller than its tokenizer)
+            raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}")
         integral = isinstance(layer, numbers.Integral) and not isinstance(layer, bool)
         if layer is not None and (not integral or not -n_layer <= layer < n_layer):
             raise ValueError(f"layer={layer!r} is out of range; this model has layers 0..{n_layer - 1}")

@@ -76,6 +76,12 @@ def test_an_empty_text_is_the_end_of_text_token_and_too_long_a_text_is_refused(p
         gen.attention("word " * 40)
 
 
+def test_a_token_beyond_a_small_models_vocabulary_is_refused_as_generate_refuses_it(tmp_path):
+    save_hf(tmp_path, n_layer=1, n_head=2, n_embd=16, n_positions=WINDOW, vocab_size=100)
+    with pytest.raises(ValueError, match=r"^token id \d+ is outside the vocabulary 0\.\.99$"):
+        generate.load(tmp_path).attention("hello")  # (an IndexError from the embedding before)
+
+
 def test_a_quantized_model_gives_weights_close_to_fp32(pair):
     _, gen, directory = pair
     bf16 = generate.load(directory, dtype="int8").attention(TEXT)
