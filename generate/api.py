@@ -194,7 +194,7 @@ class Generator:
                 f"the text has {len(ids)} tokens but the window holds {window}; shorten it to at most "
                 f"{window} tokens"
             )
-        if (bad := max(ids)) >= (vocab := self.model.config.vocab_size):  # (a model smaller than its tokenizer)
+        if (bad := max(ids)) >= (vocab := self.model.config.vocab_size):  # (a model below its tokenizer)
             raise ValueError(f"token id {bad} is outside the vocabulary 0..{vocab - 1}")
         integral = isinstance(layer, numbers.Integral) and not isinstance(layer, bool)
         if layer is not None and (not integral or not -n_layer <= layer < n_layer):
