@@ -41,7 +41,8 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
     ``transformers.GPT2LMHeadModel.from_pretrained(directory)`` read it.
 
     Each file is written to a temporary name and renamed into place, so an interrupted save never leaves a
-    half-written file under the final name.
+    half-written file under the final name; the config is written first, so a save that fails (a full disk,
+    a folder in the way) leaves the old pair as it was.
 
     Args:
         model: the model to save.
@@ -74,11 +75,17 @@ def save(model: GPT, directory: str | os.PathLike[str], *, dtype: torch.dtype | 
     store = resolve_dtype(dtype) if dtype is not None else model.wte.weight.dtype
     resolve_dtype(store)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: p.detach().to(device="cpu", dtype=store) for name, p in model.named_parameters()}
-    write_safetensors(state, directory / SINGLE_FILE)
-    _remove_stale_shards(directory)
+    for name in ("config.json", SINGLE_FILE):  # (before either is replaced: the pair stays whole)
+        if (directory / name).is_dir():
+            raise IsADirectoryError(f"{directory / name} is a directory; remove it, or save elsewhere")
     config = json.dumps(config_to_dict(model.config, dtype=_DTYPE_NAMES[store]), indent=2) + "\n"
     tmp = directory / f".config.json.tmp-{os.getpid()}"
-    tmp.write_text(config, encoding="utf-8")
-    os.replace(tmp, directory / "config.json")
+    try:
+        tmp.write_text(config, encoding="utf-8")  # (first: a full disk fails here, the old pair intact)
+        state = {name: p.detach().to(device="cpu", dtype=store) for name, p in model.named_parameters()}
+        write_safetensors(state, directory / SINGLE_FILE)
+        _remove_stale_shards(directory)
+        os.replace(tmp, directory / "config.json")
+    finally:
+        tmp.unlink(missing_ok=True)
     return directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,6 +144,34 @@ def test_failed_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoints.safetensors_io, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         checkpoints.save(our_model(seed=2), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(checkpoints.load(tmp_path).wte.weight, old.wte.weight)
+
+
+@pytest.mark.parametrize("blocked", ["config.json", "model.safetensors"])
+def test_a_folder_in_place_of_a_file_fails_before_either_file_is_replaced(tmp_path, blocked):
+    checkpoints.save(our_model(seed=1), tmp_path)
+    kept = {name: (tmp_path / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    (tmp_path / blocked).unlink()
+    (tmp_path / blocked).mkdir()
+    with pytest.raises(IsADirectoryError, match=f"{blocked} is a directory; remove it, or save elsewhere"):
+        checkpoints.save(our_model(CONFIGS["3x3x48-inner-relu"], seed=2), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # no temporary
+    other = "model.safetensors" if blocked == "config.json" else "config.json"
+    assert (tmp_path / other).read_bytes() == kept[other]  # (the new weights beside the old config before)
+
+
+def test_a_config_that_cannot_be_written_leaves_the_old_pair_and_no_temporary(tmp_path, monkeypatch):
+    old = our_model(seed=1)
+    checkpoints.save(old, tmp_path)
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.save(our_model(seed=2), tmp_path)
+    monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     assert torch.equal(checkpoints.load(tmp_path).wte.weight, old.wte.weight)
 
