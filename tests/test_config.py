@@ -49,6 +49,7 @@ def test_preset_overrides_and_exact_names():
             "layer_norm_epsilon must be a positive finite number, got nan",
         ),
         ({"layer_norm_epsilon": True}, "layer_norm_epsilon must be a positive finite number, got True"),
+        ({"layer_norm_epsilon": 10**400}, "layer_norm_epsilon must be a positive finite number, got 1000"),
     ],
 )
 def test_invalid_values_name_the_field_and_fix(changes, match):
