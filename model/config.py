@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import sys
+from sys import float_info
 from dataclasses import dataclass
 
 # Activation names as in Hugging Face config.json files (GPT-2's, "gelu_new", is GELU's tanh approximation).
@@ -38,7 +38,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                              f"choose n_head among the divisors of {self.n_embd}")  # fmt: skip
         eps = self.layer_norm_epsilon
-        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps <= sys.float_info.max):
+        if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps <= float_info.max):
             raise ValueError(f"GPTConfig.layer_norm_epsilon must be a positive finite number, got {eps!r}")
         if self.activation_function not in ACTIVATIONS:
             raise ValueError(f"GPTConfig.activation_function {self.activation_function!r} is not supported; "
