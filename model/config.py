@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from sys import float_info
 from dataclasses import dataclass
+from sys import float_info
 
 # Activation names as in Hugging Face config.json files (GPT-2's, "gelu_new", is GELU's tanh approximation).
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish")
