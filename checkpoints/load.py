@@ -88,18 +88,18 @@ def _directory_files(directory: Path) -> list[Path]:
         return [single]
     if index.exists():
         try:
-            data = read_small_file(index, MAX_INDEX_BYTES, "a safetensors index")
-            weight_map = json.loads(data.decode("utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # (ValueError: not JSON)
-            raise CheckpointError(f"{index} is not a valid safetensors index (a JSON weight_map): {e}") from e
+            raw = json.loads(read_small_file(index, MAX_INDEX_BYTES, "a safetensors index").decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as e:  # (ValueError: not UTF-8 or not JSON)
+            raise CheckpointError(f"{index} is not a valid safetensors index (JSON): {e}") from e
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if (
             not isinstance(weight_map, dict)
             or not weight_map
             or not all(isinstance(v, str) for v in weight_map.values())
         ):
             raise CheckpointError(
-                f"{index} is not a valid safetensors index: its weight_map must map tensor names to shard "
-                "file names and name at least one"
+                f"{index} is not a valid safetensors index: it must be a JSON object whose weight_map maps "
+                "tensor names to shard file names, naming at least one"
             )
         files = []
         for name in sorted(set(weight_map.values())):
@@ -116,6 +116,9 @@ def _directory_files(directory: Path) -> list[Path]:
                 raise CheckpointError(f"{index} names shard {name!r}, which is missing from {directory}")
             files.append(f)
         return files
+    for link in (single, index):
+        if link.is_symlink():  # (exists() follows it)
+            raise CheckpointError(f"{link} is a link to nothing (its target is missing, or links back)")
     hint = (
         " (pytorch_model.bin is pickle, which gptgen never loads: convert it to safetensors)"
         if (directory / "pytorch_model.bin").exists()

@@ -347,11 +347,27 @@ def test_bad_index(ckpt, shard, match):
         checkpoints.load(directory)
 
 
-@pytest.mark.parametrize("content", ['{"metadata": {}}', "{", '{"weight_map": [1]}'])
-def test_index_not_a_weight_map(ckpt, content):
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [('{"metadata": {}}', "it must be a JSON object whose weight_map maps tensor names to shard file names"),
+     ("[1]", "it must be a JSON object whose weight_map"), ('{"weight_map": [1]}', "whose weight_map maps"),
+     ("{", r"\(JSON\): Expecting property name")],
+)  # fmt: skip
+def test_index_not_a_weight_map(ckpt, content, match):
     (ckpt[0] / "model.safetensors").unlink()
     (ckpt[0] / "model.safetensors.index.json").write_text(content)
-    with pytest.raises(CheckpointError, match=r"index\.json is not a valid safetensors index"):
+    with pytest.raises(CheckpointError, match=r"index\.json is not a valid safetensors index.*" + match):
+        checkpoints.load(ckpt[0])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+@pytest.mark.parametrize("target", ["gone.safetensors", "itself"])
+def test_a_weights_file_linking_to_nothing_is_named_as_such(ckpt, name, target):
+    link = ckpt[0] / name
+    link.unlink(missing_ok=True)
+    (ckpt[0] / "model.safetensors").unlink(missing_ok=True)
+    link.symlink_to(link.name if target == "itself" else target)
+    with pytest.raises(CheckpointError, match=rf"{name} is a link to nothing \(its target is missing"):
         checkpoints.load(ckpt[0])
 
 
@@ -359,7 +375,7 @@ def test_index_not_a_weight_map(ckpt, content):
 def test_index_with_no_shards_or_a_non_string_shard(ckpt, weight_map):
     (ckpt[0] / "model.safetensors").unlink()
     (ckpt[0] / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+    with pytest.raises(CheckpointError, match="whose weight_map maps tensor names to shard file names"):
         checkpoints.load(ckpt[0])
 
 
