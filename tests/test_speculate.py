@@ -148,19 +148,21 @@ def test_a_draft_samples_at_the_requests_own_numbers_so_a_draft_that_agrees_is_t
 def test_a_compiled_draft_proposes_what_an_eager_one_does_for_every_slot(model, draft):
     # Its one-token steps run its compiled step of all its slots (each other slot fed where it writes next):
     # over 3 slots of interleaved requests, the very proposals of the eager draft, with a draft that agrees
-    # (long runs taken) and one that disagrees (what a slot holds cut back after each miss).
+    # (long runs taken: the draft is the target too) and one that disagrees (what a slot holds cut back after
+    # each miss). One draft, so one compile.
     ps = prompts(12, seed=9)
-    for proposer_model in (model, draft):
+    for target in (draft, model):
         proposals, calls = [], collections.Counter()
         for compile in (False, True):
-            drafter = DraftProposer(proposer_model, 3, compile=compile)
+            drafter = DraftProposer(draft, 3, compile=compile)
             if compile:  # (a prefill only for a request's prompt: a pass's catch-up runs the compiled step)
                 drafter.runner._steps = counting(drafter.runner._steps, calls)
                 drafter.runner.prefill = counting({"prefill": drafter.runner.prefill}, calls)["prefill"]
             recording = Recording(drafter)
             for sampling in (GREEDY, SEEDED):
                 speculator = Speculator(recording, lookahead=4)
-                assert_same_tokens(run(model, ps, sampling, speculator, 3), run(model, ps, sampling, slots=3))
+                plain = run(target, ps, sampling, slots=3)
+                assert_same_tokens(run(target, ps, sampling, speculator, 3), plain)
             proposals.append(recording.made)
         assert proposals[0] == proposals[1] and len(proposals[0]) > 100 and calls[1] > 100
         assert calls["prefill"] <= 2 * len(ps)  # (each prompt, greedy and seeded)
