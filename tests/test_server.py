@@ -246,6 +246,19 @@ def test_logprobs_are_the_offline_ones_with_alternatives(client, offline):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echoed_empty_prompt_takes_no_characters_in_the_text_offsets(client, stream):
+    # An empty prompt is sent as <|endoftext|>: echoed as "", so the text after it starts at character 0.
+    got = client.completions.create(model="shakespeare", prompt="", max_tokens=4, temperature=0, echo=True,
+                                    logprobs=1, stream=stream)  # fmt: skip
+    chunks = list(got) if stream else [got]
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens[0] == "<|endoftext|>" and text == "".join(tokens[1:]) and len(tokens) == 5
+    assert offsets == [0] + [sum(len(t) for t in tokens[1:i]) for i in range(1, 5)]  # (it was 13 + ...)
+
+
 def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
     got = client.completions.create(
         model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, logprobs=1

@@ -54,7 +54,9 @@ class Answer:
         self.name = oa.TokenText(gen.tokenizer.decode_single_token_bytes)
         self.prompt_logprobs: list[list[float | None]] = []
         self.prompt_top: list[list[dict[int, float] | None]] = []  # (each prompt's, as scored for echo)
-        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes) for _ in requests]
+        # (an echoed empty text was sent as <|endoftext|>, which the echo does not show: no characters)
+        unshown = [int(job.echo and not job.prompt_texts[self.prompt_of(i)]) for i in range(len(requests))]
+        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes, unshown=u) for u in unshown]
         self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
 
     def prompt_of(self, index: int) -> int:

@@ -82,8 +82,8 @@ class TextOffsets:
     """Where each token's text starts in a choice's text, in characters, token by token: a token holding
     part of a UTF-8 character starts where that character will."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes], start: int = 0) -> None:
-        self._token_bytes, self._offset = token_bytes, start
+    def __init__(self, token_bytes: Callable[[int], bytes], start: int = 0, unshown: int = 0) -> None:
+        self._token_bytes, self._offset, self._unshown = token_bytes, start, unshown  # (first: no text)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, tokens: list[int]) -> list[int]:
@@ -91,6 +91,9 @@ class TextOffsets:
         offsets = []
         for t in tokens:
             offsets.append(self._offset)
+            if self._unshown:
+                self._unshown -= 1
+                continue
             self._offset += len(self._decoder.decode(self._token_bytes(t)))
         return offsets
 
