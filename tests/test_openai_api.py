@@ -26,7 +26,7 @@ USER = [{"role": "user", "content": "Hi"}]
 NAME = TokenText(TOK.decode_single_token_bytes)
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, field: str = "prompt") -> list[int]:
     return TOK.encode_ordinary(text) or [EOS]
 
 

@@ -514,6 +514,29 @@ def test_a_surrogate_field_name_and_a_huge_value_get_short_400_answers(server):
     assert len(answer.content) < 1000
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [("/v1/completions", {"prompt": "a\ud800"}, "prompt"),
+     ("/v1/completions", {"prompt": ["x", "\ud800"]}, "prompt[1]"),
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+     ("/v1/attention", {"prompt": "\ud800"}, "prompt"), ("/tokenize", {"prompt": "\ud800"}, "prompt")],
+)  # fmt: skip
+def test_a_text_with_a_surrogate_or_beyond_any_window_is_refused_naming_its_field(server, path, body, param):
+    answer = _post(server, body, path)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param  # (it was None)
+    message = answer.json()["error"]["message"]
+    assert message == f"{param}: the text holds a lone UTF-16 surrogate; send valid Unicode"
+    # A text of more characters than a window's tokens can have: refused before it is encoded.
+    long = json.loads(json.dumps(body).replace("\\ud800", "a " * 40_000))
+    error = _post(server, long, path).json()["error"]
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+    assert re.fullmatch(
+        rf"{re.escape(param)}: the text has \d\d,\d{{3}} characters, more than 512 tokens "
+        r"\(the window\) can hold \(65,536 at most\); send a shorter text",
+        error["message"],
+    )
+
+
 def test_malformed_json_a_huge_body_and_unknown_routes(server):
     assert _post(server, b'{"prompt": "x",').status_code == 400
     assert _post(server, b"[" * 100_000).status_code == 400

@@ -61,16 +61,24 @@ async def read_json(request: HTTPRequest, settings: Settings) -> object:
         raise oa.APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def encoder(gen: Generator) -> Callable[[str], list[int]]:
-    """``gen``'s text encoder, refusing (400) a text that is not valid Unicode."""
+MAX_TOKEN_CHARS = 128  # the most characters a token's text has (the GPT-2 tokenizer's longest: 128 bytes)
 
-    def encode(text: str) -> list[int]:
+
+def encoder(gen: Generator) -> Callable[..., list[int]]:
+    """``gen``'s text encoder, ``encode(text, field="prompt")``, refusing (400, naming the field) a text that
+    is not valid Unicode, or one of more characters than a window of tokens can hold, before encoding it (a
+    huge text would hold up every other request while it is encoded)."""
+    window = gen.model.config.n_positions
+
+    def encode(text: str, field: str = "prompt") -> list[int]:
+        if len(text) > (most := window * MAX_TOKEN_CHARS):
+            raise oa.APIError(f"{field}: the text has {len(text):,} characters, more than {window} tokens "
+                              f"(the window) can hold ({most:,} at most); send a shorter text", param=field,
+                              code="context_length_exceeded")  # fmt: skip
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise oa.APIError(
-                "the text holds a lone UTF-16 surrogate; send valid Unicode", code="invalid_value"
-            ) from None
+            raise bad(field, "the text holds a lone UTF-16 surrogate; send valid Unicode") from None
         return gen.encode(text)
 
     return encode

@@ -128,7 +128,7 @@ def _options(body: dict) -> dict[str, Any]:
 def parse_completion(
     body: object,
     *,
-    encode: Callable[[str], list[int]],
+    encode: Callable[..., list[int]],
     decode: Callable[[list[int]], str],
     vocab: int,
     window: int,
@@ -151,9 +151,10 @@ def parse_completion(
         )
     if len(prompt) > MAX_PROMPTS:
         raise bad("prompt", f"got {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
-    ids = [encode(p) if isinstance(p, str) else list(p) for p in prompt]
-    for i, p in enumerate(ids):
-        check_prompt_ids(p, vocab, window, "prompt" if len(ids) == 1 else f"prompt[{i}]")
+    names = ["prompt"] if len(prompt) == 1 else [f"prompt[{i}]" for i in range(len(prompt))]
+    ids = [encode(p, name) if isinstance(p, str) else list(p) for p, name in zip(prompt, names, strict=True)]
+    for p, name in zip(ids, names, strict=True):
+        check_prompt_ids(p, vocab, window, name)
     logprobs = integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     options = _options(body)
     return Job(
@@ -194,12 +195,12 @@ def render_chat(messages: object) -> str:
     return "\n".join(lines) + "\nAssistant:"
 
 
-def parse_chat(body: object, *, encode: Callable[[str], list[int]], vocab: int, window: int) -> Job:
+def parse_chat(body: object, *, encode: Callable[..., list[int]], vocab: int, window: int) -> Job:
     """Check a ``/v1/chat/completions`` body; the messages are rendered with :func:`render_chat`.
     ``max_completion_tokens`` (or ``max_tokens``) defaults to the rest of the window."""
     body = check_fields(body, CHAT_FIELDS)
     text = render_chat(body.get("messages"))
-    ids = encode(text)
+    ids = encode(text, "messages")
     check_prompt_ids(ids, vocab, window, "messages")
     top = integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if top is not None and body.get("logprobs") is not True:

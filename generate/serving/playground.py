@@ -59,7 +59,7 @@ class AttentionAsk:
 
 
 def parse_attention(
-    body: object, *, encode: Callable[[str], list[int]], config: GPTConfig, vocab: int
+    body: object, *, encode: Callable[..., list[int]], config: GPTConfig, vocab: int
 ) -> AttentionAsk:
     """Check a ``/v1/attention`` body: ``prompt`` (a string, or a non-empty list of token ids) and optional
     ``layer``, ``head`` and ``query`` (one of each; every one when left out). Raises :class:`oa.APIError`
@@ -145,7 +145,7 @@ class AttentionJob:
 class _Attention:
     """``POST /v1/attention``: admission, the job's calls between decode steps, the answer in pieces."""
 
-    def __init__(self, read: Read, encoder: Callable[[Generator], Callable[[str], list[int]]], name: str):
+    def __init__(self, read: Read, encoder: Callable[[Generator], Callable[..., list[int]]], name: str):
         self.read, self.encoder, self.name = read, encoder, name
         self.turns: asyncio.Semaphore | None = None  # at most a slot count of requests compute at once
 
@@ -227,7 +227,7 @@ async def _asset(request: HTTPRequest) -> Response:
 def routes(
     logged: Callable[[str, Callable], Callable],
     read: Read,
-    encoder: Callable[[Generator], Callable[[str], list[int]]],
+    encoder: Callable[[Generator], Callable[..., list[int]]],
     model_name: str,
 ) -> list[Route]:
     """The playground's routes: ``GET /`` (the page), ``GET /playground/NAME`` (its files; neither needs the

@@ -165,7 +165,7 @@ class Endpoints:
             text = body["prompt"]
         else:
             raise oa.APIError("prompt: it must be a string", param="prompt", code="invalid_value")
-        tokens = checks.encoder(gen)(text)
+        tokens = checks.encoder(gen)(text, "messages" if "messages" in body else "prompt")
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": gen.model.config.n_positions}
         )
