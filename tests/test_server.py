@@ -316,7 +316,10 @@ def test_tokenize_and_detokenize(server, offline):
      ("/tokenize", {"prompt": "x", "extra": 3}, "extra", r"^unrecognized request field 'extra'"),
      ("/tokenize", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string"),
      ("/detokenize", {"tokens": [1], "model": ["a"]}, "model", r"^model: got \['a'\]; it must be a string"),
-     ("/v1/completions", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string")],
+     ("/v1/completions", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string"),
+     # OpenAI's no-op fields are completions' and chat's only
+     ("/v1/attention", {"prompt": "x", "best_of": 1}, "best_of", r"^unrecognized request field 'best_of'"),
+     ("/tokenize", {"prompt": "x", "store": False}, "store", r"^unrecognized request field 'store'")],
 )  # fmt: skip
 def test_endpoints_refuse_unknown_fields_and_a_model_that_is_not_a_string(server, path, body, param, match):
     reply = httpx.post(server.url + path, json=body)

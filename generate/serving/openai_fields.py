@@ -33,9 +33,7 @@ COMMON = {
     "min_p",
     "repetition_penalty",
 }
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
-UNSUPPORTED = {
+UNSUPPORTED = {  # OpenAI's fields that completions and chat take only at their defaults (no-ops)
     "best_of": (None, 1),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
@@ -46,6 +44,8 @@ UNSUPPORTED = {
     "metadata": (None,),
     "store": (None, False),
 }
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"} | set(UNSUPPORTED)
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"} | set(UNSUPPORTED)
 
 
 class APIError(Exception):
@@ -119,15 +119,15 @@ def check_fields(body: object, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
-        if name in UNSUPPORTED:
-            if not any(value == ok and type(value) is type(ok) for ok in UNSUPPORTED[name]):
-                raise bad(name, f"got {value!r}; this server does not support {name} (leave it out)")
-        elif name not in allowed:
+        if name not in allowed:
             raise APIError(
                 f"unrecognized request field {name!r}; see the README's server section",
                 param=name,
                 code="unknown_field",
             )
+        defaults = UNSUPPORTED.get(name)
+        if defaults is not None and not any(value == ok and type(value) is type(ok) for ok in defaults):
+            raise bad(name, f"got {value!r}; this server does not support {name} (leave it out)")
     return body
 
 
