@@ -146,6 +146,24 @@ def test_serve_usage_error_in_a_subprocess():
     assert "--port must be in 0..65535, got 70000" in one_line(result.stderr.decode())
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["serve"], ["score", "-"], ["attention", "x", "-o", "a.png"], ["batch", "in.jsonl", "out.jsonl"],
+     ["generate", "x"]],
+)  # fmt: skip
+def test_every_command_refuses_an_unknown_device_as_a_usage_error_before_loading(args, capsys, tmp_path,
+                                                                                monkeypatch):  # fmt: skip
+    # (serve was listening and logging a failed load, then exit 1; score, attention and batch exit 1)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        gptgen.main([*args, "--device", "bogus"])
+    assert exit_info.value.code == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"gptgen {args[0]}: error: unknown device 'bogus'; use 'cpu'")
+    assert list(tmp_path.iterdir()) == [tmp_path / "in.jsonl"]
+
+
 @pytest.mark.parametrize("name", ["score", "attention"])
 def test_score_and_attention_help_and_usage_errors(name, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -120,7 +120,6 @@ def check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.logprobs and not args.json:
         parser.error("--logprobs only shows in JSON output; add --json")
     # These imports load torch (seconds); main() calls this inside its Ctrl-C handling.
-    from checkpoints import QUANT_MODES, resolve_device, resolve_dtype
     from generate.engine.request import check_seed, check_stop
     from generate.engine.sampling import SamplingParams
 
@@ -128,7 +127,6 @@ def check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         SamplingParams(**{name: getattr(args, name) for name in SAMPLING_OPTIONS})
         check_stop(args.stop)
-        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in QUANT_MODES else args.dtype))
     except ValueError as e:
         parser.error(str(e))
     if args.seed is not None:

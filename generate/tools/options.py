@@ -68,9 +68,19 @@ def add_model_options(p: argparse.ArgumentParser, dtype_help: str) -> None:
 
 
 def check_model_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Refuse a ``--group-size`` without an int4 dtype (a usage error)."""
+    """Refuse a ``--group-size`` without an int4 dtype, and a ``--device`` that is unknown, absent or cannot
+    compute in ``--dtype``: usage errors, before anything loads (this imports torch)."""
     if args.group_size is not None and not args.dtype.startswith("int4"):
         parser.error(f"--group-size applies to --dtype int4 or int4-body only, not {args.dtype}")
+    from generate.tools.runner import import_holding_signals
+
+    import_holding_signals("checkpoints")
+    from checkpoints import QUANT_MODES, resolve_device, resolve_dtype
+
+    try:
+        resolve_device(args.device, resolve_dtype("bfloat16" if args.dtype in QUANT_MODES else args.dtype))
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def add_draft_option(p: argparse.ArgumentParser) -> None:

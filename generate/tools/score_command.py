@@ -69,6 +69,8 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         text = read_text(args.file, "file")
     import_holding_signals("generate.api")
     gen = load_generator(args)
+    if args.stride is not None and args.stride >= (window := gen.model.config.n_positions):
+        parser.error(f"--stride must be below the model's window of {window} tokens, got {args.stride}")
     start = time.perf_counter()
     progress = None if args.no_progress else progress_bar(start, "scoring", "tokens")
     score = gen.score(text, stride=args.stride, batch_size=args.batch_size, progress=progress)
