@@ -152,7 +152,10 @@ def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, cap
      (["--mask", "--layer", "0"], 2, "--mask draws the mask alone; leave out --layer, --head and --mean"),
      (["--size", "10x10"], 2, r"--size '10x10' must be WIDTHxHEIGHT in pixels, each 100\.\.10000"),
      (["-o", "{dir}/a.bmp"], 2, r"--output .*a\.bmp' must end in \.png, \.svg, \.pdf"),
-     (["-o", "{dir}/nowhere/a.png"], 1, r"cannot write .*/a\.png: the folder .*nowhere does not exist"),
+     (["-o", "{dir}/nowhere/a.png"], 2, r"--output '.*/a\.png': the folder .*nowhere does not exist"),
+     (["-o", "/proc/a.png"], 2, r"--output '/proc/a\.png' cannot be written: "),  # (before the model runs)
+     (["--size", "300x200"], 2, r"--size 300x200 is too small for 4 panels: give at least 600x500 "),
+     (["--head", "1", "--size", "499x900"], 2, r"--size 499x900 is too small for 1 panel: give at least 5"),
      (["-o", "{dir}/d.png"], 2, r"--output .*d\.png' is a folder; give a file in it, such as .*/a\.png"),
      (["--text", "word " * 40], 1, rf"the text has \d+ tokens but the window holds {WINDOW}")],
 )  # fmt: skip

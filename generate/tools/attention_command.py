@@ -67,6 +67,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
         parser.error(f"--output {args.output!r} must end in {', '.join(PICTURE_FORMATS)}")
     if Path(args.output).is_dir():
         parser.error(f"--output {args.output!r} is a folder; give a file in it, such as {args.output}/a.png")
+    folder = Path(args.output).parent
+    if not folder.is_dir():
+        parser.error(f"--output {args.output!r}: the folder {folder} does not exist")
+    try:  # (a file can be made there: found before the model runs)
+        tempfile.NamedTemporaryFile(dir=folder, prefix=f".{Path(args.output).name}.").close()
+    except OSError as e:
+        parser.error(f"--output {args.output!r} cannot be written: {e.strerror or e}")
     if args.head is not None and args.mean:
         parser.error("give --head or --mean, not both")
     if args.mask and (args.head is not None or args.mean or args.layer is not None):
@@ -89,8 +96,12 @@ def _attention(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
         tokenizer, ids, weights, titles, suptitle = _mask_weights(text)
     else:
         tokenizer, ids, weights, titles, suptitle = _model_weights(args, parser, text)
-    from generate.tools.plot import attention_figure
+    from generate.tools.plot import attention_figure, smallest_size
 
+    least = smallest_size(panels := len(weights) if weights.dim() == 3 else 1)
+    if size is not None and (size[0] < least[0] or size[1] < least[1]):
+        parser.error(f"--size {args.size} is too small for {panels} panel{'s' * (panels > 1)}: give at least "
+                     f"{least[0]}x{least[1]}")  # fmt: skip
     pieces = [tokenizer.decode([i]) for i in ids]
     figure = attention_figure(weights, pieces, titles=titles, suptitle=suptitle, size=size, mask=args.mask)
     _save(figure, output)
@@ -143,10 +154,10 @@ def _model_weights(
 
 def _save(figure, output: Path) -> None:  # figure: a matplotlib Figure
     """Write the picture whole or not at all: drawn to a temporary file beside it, then renamed."""
-    directory = output.parent
-    if not directory.is_dir():
-        raise ValueError(f"cannot write {output}: the folder {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=output.suffix, dir=output.parent)
+    except OSError as e:  # (the folder went, or filled, since the options were checked)
+        raise OSError(f"cannot write {output}: {e.strerror or e}") from None
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)

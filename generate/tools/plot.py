@@ -50,6 +50,15 @@ def default_size(panels: int) -> tuple[int, int]:
     return 400 * columns + 100, 400 * rows + 60
 
 
+def smallest_size(panels: int) -> tuple[int, int]:
+    """The smallest picture, in pixels, whose titles and labels do not collide: 500 x 400 for one panel,
+    250 x 200 a panel in a grid (smaller, matplotlib gives up its layout)."""
+    if panels == 1:
+        return 500, 400
+    rows, columns = grid_shape(panels)
+    return 250 * columns + 100, 200 * rows + 100
+
+
 def attention_figure(
     weights: torch.Tensor,
     tokens: list[str],
