@@ -57,7 +57,34 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="do not train: re-evaluate the checkpoint in --out and rewrite its training.json and card",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check(args, p)
+    return args
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Refuse bad values and paths as usage errors (exit 2), before any download or training."""
+    least = {"n_layer": 1, "n_head": 1, "n_embd": 1, "context": 2, "batch_size": 1, "steps": 1, "warmup": 0,
+             "eval_every": 1, "eval_windows": 1, "log_every": 1, "seed": 0}  # fmt: skip
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    rules = {"lr": (args.lr > 0, "positive"), "min_lr": (0 <= args.min_lr <= args.lr, "in [0, --lr]"),
+             "dropout": (0 <= args.dropout < 1, "in [0, 1)"), "clip": (args.clip > 0, "positive"),
+             "weight_decay": (args.weight_decay >= 0, "a number >= 0")}  # fmt: skip
+    for name, (ok, shown) in rules.items():
+        if not (ok and math.isfinite(getattr(args, name))):
+            p.error(f"--{name.replace('_', '-')} must be {shown}, got {getattr(args, name):g}")
+    try:
+        GPTConfig(n_positions=args.context, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head)
+    except ValueError as e:
+        p.error(str(e))
+    for name in ("out", "work_dir"):
+        path = getattr(args, name)
+        if path.exists() and not path.is_dir():
+            p.error(f"--{name.replace('_', '-')} {str(path)!r} is a file; give a folder")
+    if args.evaluate_only and not (args.out / "training.json").is_file():
+        p.error(f"--evaluate-only re-evaluates a trained checkpoint, but {args.out} has no training.json")
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:

@@ -85,3 +85,33 @@ def test_resuming_gives_the_weights_of_an_uninterrupted_run(work, tmp_path, monk
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--n-head", "3"], "GPTConfig.n_embd (256) must be divisible by n_head (3)"),
+     (["--steps", "0"], "--steps must be >= 1, got 0"),
+     (["--warmup", "-10"], "--warmup must be >= 0, got -10"),
+     (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
+     (["--lr", "nan"], "--lr must be positive, got nan"),
+     (["--lr", "inf"], "--lr must be positive, got inf"),
+     (["--min-lr", "5"], "--min-lr must be in [0, --lr], got 5"),
+     (["--dropout", "1"], "--dropout must be in [0, 1), got 1"),
+     (["--clip", "-1"], "--clip must be positive"),
+     (["--seed", "-1"], "--seed must be >= 0, got -1"),
+     (["--work-dir", "{file}"], "' is a file; give a folder"),
+     (["--out", "{file}"], "--out '"),
+     (["--evaluate-only", "--out", "{empty}"], "has no training.json")],
+)  # fmt: skip
+def test_bad_values_and_paths_are_usage_errors_before_any_download_or_step(tmp_path, capsys, args, message):
+    # (each went on to download the corpus, or to train, or ended in a traceback)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    args = [a.format(file=tmp_path / "file", empty=tmp_path / "empty") for a in args]
+    work = ["--work-dir", str(tmp_path / "new")] if "--work-dir" not in args else []
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*args, *work])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("python -m checkpoints.train: error: ") and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file"]  # (no work folder made)
