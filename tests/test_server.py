@@ -246,6 +246,25 @@ def test_logprobs_are_the_offline_ones_with_alternatives(client, offline):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+@pytest.mark.parametrize(("stream", "echo"), [(False, False), (True, False), (True, True)])
+def test_return_token_ids_gives_each_choices_ids_and_its_prompts(client, offline, stream, echo):
+    # vLLM's extension: the ids generated (the playground shows the attention over exactly these).
+    want = offline.generate("What light", max_new_tokens=12, temperature=0)
+    ids = {"return_token_ids": True}
+    options = dict(max_tokens=12, temperature=0, echo=echo, stream=stream, extra_body=ids)
+    got = client.completions.create(model="shakespeare", prompt="What light", **options)
+    choices = [c.choices[0] for c in got] if stream else got.choices
+    assert [c.prompt_token_ids for c in choices if "prompt_token_ids" in c.model_extra] == [
+        offline.encode("What light")
+    ]  # (once, in the first chunk)
+    assert [t for c in choices for t in c.token_ids] == want.token_ids
+    chat = client.chat.completions.create(model="shakespeare", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, extra_body=ids)  # fmt: skip
+    assert offline.tokenizer.decode(chat.choices[0].token_ids) == chat.choices[0].message.content
+    plain = client.completions.create(model="shakespeare", prompt="What light", max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_echoed_empty_prompt_takes_no_characters_in_the_text_offsets(client, stream):
     # An empty prompt is sent as <|endoftext|>: echoed as "", so the text after it starts at character 0.

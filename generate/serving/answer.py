@@ -58,6 +58,7 @@ class Answer:
         unshown = [int(job.echo and not job.prompt_texts[self.prompt_of(i)]) for i in range(len(requests))]
         self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes, unshown=u) for u in unshown]
         self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
+        self._ids_sent: set[int] = set()  # (choices whose prompt ids went: return_token_ids)
 
     def prompt_of(self, index: int) -> int:
         return index // self.job.n
@@ -96,7 +97,8 @@ class Answer:
                 if self.chat
                 else {"index": i, "text": text}
             )
-            choices.append(choice | {"logprobs": logprobs, "finish_reason": r.finish_reason})
+            ids = self._ids(i, r.token_ids)
+            choices.append(choice | ids | {"logprobs": logprobs, "finish_reason": r.finish_reason})
         return self.head("chat.completion" if self.chat else "text_completion") | {
             "choices": choices,
             "usage": self.usage(),
@@ -112,7 +114,17 @@ class Answer:
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
-        return self.head(self.chunk_kind) | {"choices": [choice | {"logprobs": lp, "finish_reason": reason}]}
+        choice |= self._ids(index, tokens) | {"logprobs": lp, "finish_reason": reason}
+        return self.head(self.chunk_kind) | {"choices": [choice]}
+
+    def _ids(self, index: int, tokens: list[int]) -> dict[str, list[int]]:
+        """``return_token_ids``: the choice's new token ids, and in its first chunk its prompt's."""
+        if not self.job.token_ids:
+            return {}
+        first = index not in self._ids_sent
+        self._ids_sent.add(index)
+        prompt = {"prompt_token_ids": self.job.prompts[self.prompt_of(index)]} if first else {}
+        return prompt | {"token_ids": tokens}
 
     def stream_start(self) -> list[dict[str, Any]]:
         """Chunks sent before any token: the chat role, or the echoed prompt."""

@@ -18,6 +18,7 @@ from generate.engine.request import check_prompt
 # implement are accepted only at their no-op value (``UNSUPPORTED``).
 COMMON = {
     "model",
+    "return_token_ids",
     "max_tokens",
     "temperature",
     "top_p",

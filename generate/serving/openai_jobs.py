@@ -55,6 +55,7 @@ class Job:
     include_usage: bool
     user: str | None
     prompt_texts: list[str] = field(default_factory=list)
+    token_ids: bool = False  # return_token_ids (vLLM's extension): each choice's token ids, the prompt's too
 
     def requests(self, eos_id: int) -> list[Request]:
         """The engine requests, prompt by prompt and choice by choice: choice ``j`` of a seeded request
@@ -122,6 +123,7 @@ def _options(body: dict) -> dict[str, Any]:
         stream=stream,
         user=user,
         include_usage=bool(stream_options and stream_options.get("include_usage")),
+        token_ids=boolean(body, "return_token_ids"),
     )
 
 
