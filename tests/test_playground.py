@@ -187,7 +187,6 @@ def test_a_selected_token_shows_the_offline_attention_with_the_future_masked(pag
         f"() => document.querySelectorAll('[data-testid=attention-cell]').length === {t * t}"
     )
     assert view.is_visible() and token.get_attribute("aria-pressed") == "true"
-    assert page.locator("#attention-note").is_hidden()  # the page's tokens are the text's
     check_matrix(cells(page), want, 0, 0)
     page.select_option("#layer", "5")
     page.select_option("#head", "2")
@@ -255,6 +254,65 @@ def test_a_busy_server_says_so_in_the_page_and_to_attention_requests(page, serve
         for thread in threads:
             thread.join(30)
     server.wait_idle()
+
+
+def select(page, index: int) -> None:
+    page.locator(f'[data-testid=token][data-index="{index}"]').click()
+    page.wait_for_function("() => !document.getElementById('attention').hasAttribute('aria-busy')")
+
+
+def test_a_text_that_fills_the_window_shows_the_attention_over_its_own_tokens(page, offline):
+    # Its text encodes into 513 tokens, one more than the window: the page asked for those before, and the
+    # server refused them. It now sends the ids generated (return_token_ids), whatever the text encodes into.
+    prompt = "To be, or not to be, that is the question. " * 37
+    run(page, prompt, temperature="1.6", seed="6", max_tokens="64")
+    want = offline.generate(prompt, max_new_tokens=64, temperature=1.6, seed=6)
+    assert want.finish_reason == "length" and len(offline.encode(prompt)) + len(want.token_ids) == 512
+    assert len(offline.encode(prompt + want.text)) == 513
+    select(page, 511)
+    assert page.locator("#attention-error").is_hidden()
+    assert page.locator(".strip").count() == 8 * 4 and page.locator("canvas.matrix-canvas").count() == 1
+
+
+def test_a_failed_attention_request_clears_what_another_token_showed(page, server):
+    run(page, temperature="0", max_tokens="8")
+    select(page, 3)
+    assert page.locator(".strip").count() > 0
+    held: list[list] = [[], []]
+    threads = [threading.Thread(target=_hold, args=(server.url, out)) for out in held]
+    try:
+        threads[0].start()
+        until(lambda: server.metric("slots_busy") == 1)
+        threads[1].start()
+        until(lambda: server.metric("queue_depth") == 1)
+        select(page, 6)  # refused (429): token 3's strips and matrix are not left under the message
+        assert page.locator("#attention-error").text_content().startswith("No attention: The server is busy")
+        assert (
+            page.locator(".strip").count() == 0 and page.locator("[data-testid=attention-cell]").count() == 0
+        )
+        assert (
+            page.locator("#strips-title").text_content() == ""
+            and page.locator("#matrix-caption").text_content() == ""
+        )
+        page.select_option("#layer", "2")  # nothing to draw a layer of: still nothing, not "Computing…"
+        assert page.locator("[data-testid=attention-cell]").count() == 0
+        assert page.locator("#matrix-caption").text_content() == ""
+    finally:
+        for out in held:
+            out.append("done")
+        for thread in threads:
+            thread.join(30)
+    server.wait_idle()
+    select(page, 6)
+    assert page.locator("#attention-error").is_hidden() and page.locator(".strip").count() == 8 * 4
+
+
+def test_a_seed_past_2_to_the_53_is_sent_as_typed(page, offline):
+    seed = 2**53 + 1  # (a JavaScript number is 2**53: another seed, another text)
+    run(page, "To be", temperature="1", seed=str(seed), max_tokens="12")
+    want = offline.generate("To be", max_new_tokens=12, temperature=1, seed=seed)
+    assert page.get_by_test_id("output").text_content() == want.text
+    assert want.text != offline.generate("To be", max_new_tokens=12, temperature=1, seed=2**53).text
 
 
 def test_the_page_fits_a_phone(browser, server):

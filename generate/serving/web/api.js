@@ -44,9 +44,16 @@ function refusal(status, body) {
   });
 }
 
+/** `body` as JSON text; a BigInt goes as its digits (JSON.stringify refuses one, and a number would round). */
+function json(body) {
+  const mark = `bigint-${Math.random().toString(36).slice(2)}:`;
+  return JSON.stringify(body, (_, v) => (typeof v === "bigint" ? mark + v : v))
+    .replace(new RegExp(`"${mark}(\\d+)"`, "g"), "$1");
+}
+
 async function send(path, body, signal) {
   const init = { headers: headers(), signal };
-  if (body !== undefined) Object.assign(init, { method: "POST", body: JSON.stringify(body) });
+  if (body !== undefined) Object.assign(init, { method: "POST", body: json(body) });
   let response;
   try {
     response = await fetch(path, init);

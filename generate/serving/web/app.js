@@ -3,7 +3,7 @@
 
 import { AttentionView } from "./attention.js";
 import { call, ready, ServerError, setKey, stream } from "./api.js";
-import { bytesOf, EOT, Tip, Transcript } from "./text.js";
+import { Tip, Transcript } from "./text.js";
 
 const $ = (id) => document.getElementById(id);
 const ALTERNATIVES = 5; // top alternatives the tip shows for each generated token
@@ -26,8 +26,7 @@ const tip = new Tip($("tip"));
 const view = new AttentionView(tip);
 const transcript = new Transcript($("text"), $("prompt-tokens"), $("output"), tip, select);
 let running = null; // the AbortController of the generation under way
-let promptIds = []; // the prompt's token ids, as the server encodes it
-let ids = null; // the whole text's token ids, once a token was selected
+let ids = []; // the text's token ids, as the server gives them: the prompt's, then each generated one
 
 function showError(message, param = null) {
   $("error").textContent = message;
@@ -50,11 +49,16 @@ function status(text) {
 
 /** The request body from the controls; an empty control leaves its field to the server's default. */
 function body() {
-  const request = { prompt: $("prompt").value, stream: true, echo: true, logprobs: ALTERNATIVES };
-  for (const [id, field] of FIELDS) {
+  const request = { prompt: $("prompt").value, stream: true, echo: true, logprobs: ALTERNATIVES,
+    return_token_ids: true };
+  for (const [id, field, integer] of FIELDS) {
     const input = $(id);
+    const value = input.value.trim();
     if (input.validity.badInput) throw new ServerError(`${field}: it must be a number`, { param: field });
-    if (input.value.trim() !== "") request[field] = Number(input.value);
+    if (value === "") continue;
+    // An integer past 2**53 is sent as typed: a JavaScript number would round it (another seed).
+    request[field] = integer && /^\d+$/.test(value) && !Number.isSafeInteger(Number(value))
+      ? BigInt(value) : Number(value);
   }
   const unescape = (s) => s.replace(/\\(n|t|\\)/g, (_, c) => ({ n: "\n", t: "\t", "\\": "\\" })[c]);
   const stops = $("stop-strings").value.split("\n").filter((s) => s !== "").map(unescape);
@@ -77,15 +81,15 @@ async function generate() {
   setRunning(true);
   transcript.reset();
   view.hide();
-  ids = null;
+  ids = [];
   status("Starting…");
   const started = performance.now();
   try {
-    promptIds = (await call("/tokenize", { prompt: request.prompt }, signal)).tokens;
     let first = true;
     for await (const chunk of stream("/v1/completions", request, signal)) {
       const choice = chunk.choices[0];
       if (!choice) continue;
+      ids.push(...(choice.prompt_token_ids || []), ...(choice.token_ids || []));
       if (first) transcript.setPrompt(choice);
       else transcript.extend(choice);
       first = false;
@@ -116,31 +120,8 @@ function setRunning(on) {
   $("text").setAttribute("aria-busy", String(on));
 }
 
-/** The token ids of the whole text: the prompt's, then the generated text's as the server encodes it. */
-async function textIds() {
-  const generated = transcript.generated;
-  const eot = generated.length > 0 && generated[generated.length - 1].piece === EOT;
-  const pieces = generated.slice(0, eot ? -1 : undefined).map((t) => bytesOf(t.piece));
-  const bytes = new Uint8Array(pieces.reduce((n, b) => n + b.length, 0));
-  let at = 0;
-  for (const b of pieces) {
-    bytes.set(b, at);
-    at += b.length;
-  }
-  const text = new TextDecoder().decode(bytes); // (the generated tokens' text, stop strings included)
-  const rest = text ? (await call("/tokenize", { prompt: text })).tokens : [];
-  return [...promptIds, ...rest, ...(eot ? (await call("/tokenize", { prompt: "" })).tokens : [])];
-}
-
 async function select(index) {
-  const pieces = transcript.tokens.map((t) => t.piece);
-  try {
-    if (ids === null || running) ids = await textIds();
-  } catch (e) {
-    showError(e.message, e.param);
-    return;
-  }
-  await view.show(ids, pieces, index);
+  await view.show(ids.slice(0, transcript.tokens.length), index);
   $("attention").scrollIntoView({ block: "nearest", behavior: "smooth" });
 }
 

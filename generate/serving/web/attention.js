@@ -4,27 +4,17 @@
 
 import { call } from "./api.js";
 import { paintMatrix, strip, weightColor } from "./heatmap.js";
-import { bytesOf, h, percent, visible } from "./text.js";
+import { h, percent, visible } from "./text.js";
 
 const CELLS_AS_ELEMENTS = 96; // tokens up to which the matrix is elements (above: drawn on a canvas)
 const LABELS = 48; // tokens up to which the matrix's rows and columns are labelled (if the cells are not tiny)
-
-/** Where each token starts in the text's bytes. */
-function starts(pieces) {
-  let at = 0;
-  return pieces.map((p) => {
-    const here = at;
-    at += bytesOf(p).length;
-    return here;
-  });
-}
 
 export class AttentionView {
   constructor(tip) {
     this.tip = tip;
     const $ = (id) => document.getElementById(id);
     Object.assign(this, { root: $("attention"), strips: $("strips"), enlarged: $("enlarged"), box: $("matrix"),
-      layerSelect: $("layer"), headSelect: $("head"), maskToggle: $("mask-toggle"), note: $("attention-note"),
+      layerSelect: $("layer"), headSelect: $("head"), maskToggle: $("mask-toggle"),
       error: $("attention-error"), caption: $("matrix-caption") });
     this.layer = 0;
     this.head = 0;
@@ -52,8 +42,8 @@ export class AttentionView {
     this.ids = null;
   }
 
-  /** Show token `index` of the page (whose tokens read `pieces`) as the query over the token ids `ids`. */
-  async show(ids, pieces, index) {
+  /** Show token `index` of the token ids `ids` (the page's tokens) as the query. */
+  async show(ids, index) {
     this.controller?.abort();
     const controller = (this.controller = new AbortController());
     if (this.ids === null || this.ids.join() !== ids.join()) this.matrices = new Map();
@@ -62,30 +52,30 @@ export class AttentionView {
     this.error.hidden = true;
     this.root.setAttribute("aria-busy", "true");
     try {
-      let q = index;
-      let row = await call("/v1/attention", { prompt: ids, query: q }, controller.signal);
-      const aligned = row.tokens.join("\u0000") === pieces.join("\u0000");
-      if (!aligned) { // the generated text re-encodes otherwise: find the token that starts where the page's does
-        const mine = starts(pieces)[index];
-        const theirs = starts(row.tokens);
-        q = Math.max(0, theirs.findLastIndex((s) => s <= mine));
-        if (q !== index) row = await call("/v1/attention", { prompt: ids, query: q }, controller.signal);
-      }
-      this.note.hidden = aligned;
-      this.note.textContent = aligned ? "" : "The generated text re-encodes into other tokens than the ones " +
-        `generated (${row.tokens.length} for ${pieces.length}); the view shows the tokens it encodes into.`;
-      Object.assign(this, { row, q, tokens: row.tokens });
+      const row = await call("/v1/attention", { prompt: ids, query: index }, controller.signal);
+      Object.assign(this, { row, q: index, tokens: row.tokens });
       this.fillSelects(row.layers.length, row.heads.length);
       this.drawStrips();
       this.drawEnlarged();
       await this.drawMatrix(controller.signal);
     } catch (e) {
-      if (e.name === "AbortError") return;
-      this.error.textContent = `No attention: ${e.message}`;
-      this.error.hidden = false;
+      if (e.name !== "AbortError") this.fail(e, ["strips", "enlarged", "box"]);
     } finally {
       if (this.controller === controller) this.root.removeAttribute("aria-busy");
     }
+  }
+
+  /** Say why there is no attention, clearing what shows another token's (`parts`) or another head's. */
+  fail(e, parts) {
+    this.error.textContent = `No attention: ${e.message}`;
+    this.error.hidden = false;
+    if (parts.includes("strips")) this.row = null; // (a layer or head chosen now has no row to draw)
+    const titles = { strips: ["strips-title", "query-line"], enlarged: ["enlarged-title"], box: ["matrix-title"] };
+    for (const part of parts) {
+      this[part].replaceChildren();
+      for (const id of titles[part]) document.getElementById(id).textContent = "";
+    }
+    this.caption.textContent = "";
   }
 
   fillSelects(layers, heads) {
@@ -103,7 +93,9 @@ export class AttentionView {
 
   /** Enlarge and draw the matrix of layer `layer`, head `head`. */
   async choose(layer, head) {
+    if (!this.row) return; // (the last token asked for has no attention to show)
     Object.assign(this, { layer, head });
+    this.error.hidden = true;
     this.fillSelects(this.row.layers.length, this.row.heads.length);
     this.drawStrips();
     this.drawEnlarged();
@@ -112,9 +104,7 @@ export class AttentionView {
     try {
       await this.drawMatrix(this.controller.signal);
     } catch (e) {
-      if (e.name === "AbortError") return;
-      this.error.textContent = `No attention: ${e.message}`;
-      this.error.hidden = false;
+      if (e.name !== "AbortError") this.fail(e, ["box"]);
     }
   }
 
