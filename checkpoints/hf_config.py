@@ -54,7 +54,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config") -> GPTConfi
                                   "the same setting; keep one of them")  # fmt: skip
         if alias in raw:
             values[name] = raw[alias]
-    if "n_positions" not in raw and "n_ctx" in raw:  # very old configs name the window n_ctx
+    if "n_positions" not in values and "n_ctx" in raw:  # very old configs name the window n_ctx
         values["n_positions"] = raw["n_ctx"]
     try:
         return GPTConfig(**values)

@@ -50,6 +50,7 @@ def test_transformers_other_names_for_four_fields_are_read_as_it_reads_them():
     assert (hf.n_embd, hf.n_head, hf.n_layer, hf.n_positions) == (48, 8, 3, 16)
     assert config_from_dict(raw) == want  # (the head count was silently 12: no weight's shape shows it)
     assert config_from_dict({**raw, "n_head": 8}) == want
+    assert config_from_dict({**raw, "n_ctx": 1024}) == want  # (the legacy name only where no other is)
     with pytest.raises(CheckpointError, match=r"cfg: n_head=4 but num_attention_heads=8, which names the "
                        r"same setting; keep one of them"):  # fmt: skip
         config_from_dict({**raw, "n_head": 4}, source="cfg")

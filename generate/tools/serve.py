@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None, *, playground: bool = False) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status (0 after a clean stop, 1 on error)."""
     parser = build_parser(playground)
     args = parser.parse_args(argv)
-    _check(args, parser)
     prog = parser.prog
     logging.basicConfig(format=f"{prog}: %(message)s", level=args.log_level.upper(), stream=sys.stderr)
     try:
+        _check(args, parser)  # (its device check imports torch)
         import uvicorn
 
         # torch and the rest, before the stop handlers are in place
