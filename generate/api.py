@@ -60,10 +60,10 @@ class Generator:
             each prompt taking a slot as soon as one is free.
         deterministic: run every call in an engine of exactly ``slots`` rows, so that a prompt gives the
             same tokens and log-probabilities, bit for bit, alone or in a list of any length (a lone prompt
-            then computes ``slots`` rows: 1.4-2.6x the time a token at batch 1). False (default): an engine
-            only as wide as the call needs, a lone prompt in one row (compiled: one row, or ``slots`` for
-            more prompts, two compiled steps); its logits may then differ in the last bits from the same
-            prompt's in a list, and a near-tie can pick another token.
+            then computes ``slots`` rows: 1.4-2.6x the time a token, GPT-2 124M on Zen 4). False (default):
+            an engine only as wide as the call needs, a lone prompt in one row (compiled: one row, or
+            ``slots`` for more prompts, two compiled steps); its logits may then differ in the last bits from
+            the same prompt's in a list, and a near-tie can pick another token.
         progress: called with a line of text while a decode step compiles.
         draft: speculative decoding (:mod:`generate.engine.speculate`): ``"ngram"`` (prompt lookup) or a
             draft model sharing the tokenizer: with several rows the output is that of no proposals, bit

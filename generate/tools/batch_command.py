@@ -65,7 +65,10 @@ def _batch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     import_holding_signals("generate.tools.batch")
-    defaults = _defaults(args)
+    try:
+        defaults = _defaults(args)
+    except ValueError as e:  # (a bad option value: a usage error, as in the other commands)
+        parser.error(str(e))
     start = time.perf_counter()
     if args.ray is not None:
         ran, skipped = _run_on_ray(args, defaults, start)

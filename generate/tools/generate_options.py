@@ -102,7 +102,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         "--deterministic",
         action="store_true",
         help="run every prompt in an engine of --batch-size rows, so that a prompt gives the same bits alone "
-        "or in a batch (a lone prompt then takes 1.4-2.6x the time a token)",
+        "or in a batch (a lone prompt then takes 1.4-2.6x the time a token on GPT-2 124M, Zen 4)",
     )
 
 

@@ -264,7 +264,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
     state = app.state.gptgen
     config = uvicorn.Config(
         app,
-        log_level=args.log_level,
+        # (uvicorn's start and stop lines, at info, say nothing ours do not: shown with debug)
+        log_level="warning" if args.log_level == "info" else args.log_level,
         access_log=False,
         lifespan="on",
         # (ours ends what still runs at --shutdown-timeout; uvicorn's, later, leaves time to say so)
