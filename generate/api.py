@@ -101,6 +101,7 @@ class Generator:
         self._engine: Engine | None = None
         # Held while a call adds to, steps or reads the kept engine: calls may overlap (threads, streams).
         self.lock = threading.RLock()
+        self._stepping, self._abandoned = False, []  # (see _step)
 
     @property
     def speculation(self) -> dict[str, float] | None:
@@ -269,17 +270,42 @@ class Generator:
                     break
                 with self.lock:
                     if not all(r.done for r in requests):
-                        engine.step()
+                        self._step(engine)
         finally:
-            with self.lock:
-                for r in requests:  # an abandoned stream (or an error) leaves no request in the engine
-                    if not r.done:
-                        engine.cancel(r)
+            with self.lock:  # an abandoned stream (or an error) leaves no request in the engine
+                left = [(engine, r) for r in requests if not r.done]
+                if self._stepping:  # (closed by the garbage collector inside a step: cancelled after it)
+                    self._abandoned += left
+                else:
+                    for e, r in left:
+                        e.cancel(r)
         return [
             Completion(text=r.text.text, token_ids=r.token_ids, finish_reason=r.finish_reason or "length",
                        logprobs=r.logprobs_list if logprobs else None, prompt_tokens=len(r.prompt))
             for r in requests
         ]  # fmt: skip
+
+    def _step(self, engine: Engine) -> None:
+        """``engine.step()`` (under the lock), then cancel what streams closed during it left. An interrupt
+        inside a step (Ctrl-C) may leave a slot half advanced: the engine's requests then end in an error,
+        never in other text, and the engine is not kept."""
+        self._stepping = True
+        try:
+            engine.step()
+        except MemoryError:  # (raised before a step changes anything: the engine goes on)
+            raise
+        except BaseException:
+            for r in [*engine.running.values(), *engine.waiting]:
+                r.error = "a step was interrupted (Ctrl-C, or an error) in another call; generate it again"
+                r.finish("error")
+            self._engine = None if self._engine is engine else self._engine
+            raise
+        finally:
+            self._stepping = False
+            abandoned, self._abandoned = self._abandoned, []
+            for e, r in abandoned:
+                if not r.done:
+                    e.cancel(r)
 
     def generate(
         self,

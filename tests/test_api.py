@@ -441,3 +441,58 @@ def test_an_abandoned_stream_changes_nothing_and_is_cancelled_when_closed(wide_g
     for _, piece in zip(range(2), wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS), strict=False):
         assert piece  # a loop broken off: its request is cancelled at once
     assert not wide_gen._engine.has_work
+
+
+def _inside_the_next_decode(gen: generate.Generator, monkeypatch, act) -> None:
+    """Run ``act`` inside the kept engine's next decode step, after its forward (once)."""
+    runner = gen._engine.runner
+    real = runner.decode
+
+    def decode(*args):
+        out = real(*args)
+        monkeypatch.setattr(runner, "decode", real)
+        act()
+        return out
+
+    monkeypatch.setattr(runner, "decode", decode)
+
+
+def test_a_stream_the_garbage_collector_closes_inside_another_calls_step_is_cancelled_after_it(
+    wide_gen, monkeypatch
+):
+    import gc
+
+    expected = alone(wide_gen)
+
+    class Holder:  # (a stream held in a reference cycle: closed whenever the collector runs)
+        pass
+
+    held = Holder()
+    held.self, held.stream = held, wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS)
+    next(held.stream)
+    del held
+    _inside_the_next_decode(wide_gen, monkeypatch, gc.collect)
+    later = wide_gen.generate("that is", seed=2, **OVERLAP_OPTIONS)  # (a KeyError: its slot freed mid-step)
+    assert (later.text, later.logprobs) == (expected["that is"].text, expected["that is"].logprobs)
+    assert not wide_gen._engine.has_work
+
+
+def test_an_interrupt_inside_a_step_ends_the_engines_other_requests_in_an_error_not_other_text(
+    wide_gen, monkeypatch
+):
+    expected = alone(wide_gen)["To be"]
+    stream = wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS)
+    got = next(stream)
+    engine = wide_gen._engine
+
+    def interrupt():
+        raise KeyboardInterrupt  # (Ctrl-C once the forward ran, before the step chose its tokens)
+
+    _inside_the_next_decode(wide_gen, monkeypatch, interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        wide_gen.generate("that is", seed=2, **OVERLAP_OPTIONS)
+    with pytest.raises(generate.GenerationError, match=r"a step was interrupted .* generate it again"):
+        for piece in stream:  # (went on with other text: the slot's position had advanced, not its token)
+            got += piece
+    assert expected.text.startswith(got) and wide_gen._engine is not engine
+    assert wide_gen.generate("To be", seed=0, **OVERLAP_OPTIONS).text == expected.text  # a fresh engine
