@@ -55,6 +55,9 @@ def generate_ids(
         ... # doctest: +SKIP
     """
     _check(model, prompts, sampling, eos_id, slots, compile)
+    # (a numpy array or tensor, 2-D or of rows, as Python lists: what they hold is checked as a list's)
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else [p.tolist() if hasattr(p, "tolist") else p
+                                                                   for p in prompts]  # fmt: skip
     cfg, sampling = model.config, sampling or SamplingParams()
     requests = make_requests(prompts, seed, cfg.vocab_size, cfg.n_positions, sampling=sampling,
                              max_new_tokens=max_new_tokens, eos_id=eos_id, logprobs=logprobs)  # fmt: skip

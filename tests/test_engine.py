@@ -184,6 +184,13 @@ def test_numpy_integers_are_accepted_as_seeds_and_sizes():
                      sampling=SamplingParams(top_k=np.int64(5)))  # fmt: skip
     b = generate_ids(model, [[1, 2]], max_new_tokens=4, seed=3, sampling=SamplingParams(top_k=5))
     assert a[0].token_ids == b[0].token_ids and len(a[0].token_ids) == 4
+    # Prompts as a 2-D array or tensor, or a list of rows of either (a 2-D one was numpy's or torch's
+    # "truth value ... ambiguous" error); floats in one are refused as a list's are.
+    for prompts in (np.array([[1, 2]]), torch.tensor([[1, 2]]), [np.array([1, 2])], [torch.tensor([1, 2])]):
+        c = generate_ids(model, prompts, max_new_tokens=4, seed=3, sampling=SamplingParams(top_k=5))
+        assert c[0].token_ids == b[0].token_ids
+    with pytest.raises(ValueError, match=r"the prompt has token id 1\.0, which is not an integer"):
+        generate_ids(model, np.array([[1.0, 2.0]]), max_new_tokens=4)
 
 
 def model_with_nan_at_position(position):
