@@ -15,7 +15,7 @@ import torch
 import checkpoints
 from generate.engine.engine import Engine, raise_errors
 from generate.engine.memory import check_engine_memory, said_plainly
-from generate.engine.request import make_requests
+from generate.engine.request import Request, make_requests
 from generate.engine.sampling import SamplingParams
 from generate.engine.speculate import COMPILED_LOOKAHEAD, DEFAULT_LOOKAHEAD, Counts, make_speculator
 from generate.score import DEFAULT_BATCH_SIZE as DEFAULT_SCORE_BATCH
@@ -91,8 +91,9 @@ class Generator:
             raise ValueError(
                 f"draft={draft!r}: give 'ngram' or a draft model (generate.load(..., draft=path))"
             )
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if isinstance(slots, bool) or not isinstance(slots, numbers.Integral) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        slots = int(slots)  # (a numpy integer too)
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
@@ -156,6 +157,7 @@ class Generator:
         Example:
             >>> gen.score("To be, or not to be, that is the question").perplexity  # doctest: +SKIP
         """
+        text = text.tolist() if hasattr(text, "tolist") else text  # (a numpy array or tensor of ids)
         if isinstance(text, str):
             ids = self.tokenizer.encode_ordinary(text)
         elif (
@@ -244,14 +246,8 @@ class Generator:
 
         Calls may overlap (threads, streams read in turn): each steps the engine under the lock, which
         advances every call's requests, and takes only its own requests' text."""
-        stop = options.pop("stop")
-        max_new_tokens = options.pop("max_new_tokens")
-        logprobs = options.pop("logprobs")
-        sampling = SamplingParams(**options)
-        cfg = self.model.config
-        requests = make_requests(ids, seed, cfg.vocab_size, cfg.n_positions, sampling=sampling,
-                                 max_new_tokens=max_new_tokens, eos_id=checkpoints.EOT_ID, stop=stop,
-                                 logprobs=logprobs)  # fmt: skip
+        requests = self._requests(ids, options, seed)
+        logprobs = options["logprobs"]
         longest = max(len(p) for p in ids) + max(1, requests[0].max_new_tokens)
         with self.lock:
             engine = self.engine(self.width(len(ids)), longest)
@@ -284,6 +280,14 @@ class Generator:
                        logprobs=r.logprobs_list if logprobs else None, prompt_tokens=len(r.prompt))
             for r in requests
         ]  # fmt: skip
+
+    def _requests(self, ids: Sequence[list[int]], options: dict, seed: object) -> list[Request]:
+        """The requests for ``ids``, every option checked (ValueError naming it)."""
+        sampling = {k: v for k, v in options.items() if k not in ("stop", "max_new_tokens", "logprobs")}
+        cfg = self.model.config
+        return make_requests(ids, seed, cfg.vocab_size, cfg.n_positions, sampling=SamplingParams(**sampling),
+                             max_new_tokens=options["max_new_tokens"], eos_id=checkpoints.EOT_ID,
+                             stop=options["stop"], logprobs=options["logprobs"])  # fmt: skip
 
     def _step(self, engine: Engine) -> None:
         """``engine.step()`` (under the lock), then cancel what streams closed during it left. An interrupt
@@ -355,8 +359,10 @@ class Generator:
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
             self.encode(prompt)  # raises, naming the type (bytes would otherwise read as a list of ints)
         ids = [self.encode(p) for p in prompt]
-        if not ids:
-            return []  # a batch of no prompts has no completions
+        if not ids:  # a batch of no prompts has no completions; its options are checked all the same
+            listed = isinstance(seed, Sequence) and not isinstance(seed, str)  # (seeds for no prompts)
+            self._requests([[checkpoints.EOT_ID]], options, None if listed else seed)
+            return []
         return self._drain(self._run(ids, options, seed))
 
     @staticmethod

@@ -138,8 +138,9 @@ def _score_ids(
     bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = int(batch_size)  # (a numpy integer too)
     stride = check_stride(stride, cfg.n_positions)
     windows = plan_windows(len(ids), cfg.n_positions, stride)
     tokens = torch.tensor(ids, dtype=torch.long)

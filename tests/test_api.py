@@ -496,3 +496,30 @@ def test_an_interrupt_inside_a_step_ends_the_engines_other_requests_in_an_error_
             got += piece
     assert expected.text.startswith(got) and wide_gen._engine is not engine
     assert wide_gen.generate("To be", seed=0, **OVERLAP_OPTIONS).text == expected.text  # a fresh engine
+
+
+def test_numpy_and_torch_arguments_are_read_as_their_python_values(gen):
+    np = pytest.importorskip("numpy")  # (each was refused: "got np.int64(2)", "seed=array([1, 2])", ...)
+    two = ["To be", "or not"]
+    a = gen.generate(two, seed=np.array([1, 2]), max_new_tokens=4)
+    assert [c.token_ids for c in a] == [c.token_ids for c in gen.generate(two, seed=[1, 2], max_new_tokens=4)]
+    ids = gen.encode("To be, or not to be, that is the question")
+    want = gen.score(ids)
+    for text, size in ((np.array(ids), 4), (torch.tensor(ids), np.int64(2))):
+        got = gen.score(text, batch_size=size)
+        assert (got.mean_nll, got.token_logprobs) == (want.mean_nll, want.token_logprobs)
+    assert generate.Generator(gen.model, slots=np.int64(2)).slots == 2
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [({"temperature": -5}, "temperature"), ({"max_new_tokens": -1}, "max_new_tokens"),
+     ({"seed": "x"}, "seed"), ({"stop": ""}, "stop strings must be non-empty"),
+     ({"logprobs": "no"}, "logprobs must be True or False")],
+)  # fmt: skip
+def test_bad_options_are_refused_with_no_prompts_as_with_one(gen, option, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate("x", **option)
+    with pytest.raises(ValueError, match=match):
+        gen.generate([], **option)  # (it returned [])
+    assert gen.generate([], max_new_tokens=3) == []

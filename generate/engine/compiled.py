@@ -60,12 +60,10 @@ def check_compile_memory(model: GPT) -> None:
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     needed = COMPILE_FIXED_BYTES + COMPILE_BYTES_PER_WEIGHT_BYTE * weights
     if (free := memory.available_memory(model.device)) is not None and needed > free:
-        raise MemoryError(
-            f"compiling the decode step needs about {needed / 2**30:.1f} GiB (about "
-            f"{COMPILE_BYTES_PER_WEIGHT_BYTE}x the weights' {weights / 2**20:,.0f} MiB) but only "
-            f"{free / 2**30:.1f} GiB are available; generate without compiling (compile=False, no --compile) "
-            "or in a smaller dtype (bfloat16, int8, int4)"
-        )
+        raise MemoryError(f"compiling the decode step needs about {needed / 2**30:.1f} GiB (about "
+                          f"{COMPILE_BYTES_PER_WEIGHT_BYTE}x the weights' {weights / 2**20:,.0f} MiB) but "
+                          f"only {free / 2**30:.1f} GiB are available; generate without compiling (compile="
+                          "False, no --compile) or in a smaller dtype (bfloat16, int8, int4)")  # fmt: skip
 
 
 def step_key(model: GPT, cache: KVCache, widths: tuple[int, ...] = (1,)) -> str:

@@ -54,6 +54,7 @@ def make_requests(prompts: Sequence[Sequence[int]], seed: int | Sequence[int | N
     prompt; ``fields`` are the other :class:`Request` fields. An error names a bad prompt (``prompt i``)."""
     if not prompts:
         raise ValueError("no prompts given; pass at least one")
+    seed = seed.tolist() if hasattr(seed, "tolist") else seed  # (a numpy array or integer as Python's)
     seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt")
@@ -104,6 +105,8 @@ class Request:
         top = self.top_logprobs
         if isinstance(top, bool) or not isinstance(top, numbers.Integral) or not 0 <= top <= 20:
             raise ValueError(f"top_logprobs must be an integer in 0..20, got {top!r}")
+        if self.logprobs not in (True, False):  # (a string would read as true)
+            raise ValueError(f"logprobs must be True or False, got {self.logprobs!r}")
 
     @property
     def done(self) -> bool:
