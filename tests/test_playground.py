@@ -8,6 +8,7 @@ logprobs with `Generator.generate`, the attention weights with `Generator.attent
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -236,7 +237,9 @@ def _hold(url: str, out: list) -> None:
                 return
 
 
-def test_a_busy_server_says_so_in_the_page_and_to_attention_requests(page, server):
+@contextlib.contextmanager
+def full(server):
+    """The server's one slot and its queue of one held by two long streams; idle again after."""
     held: list[list] = [[], []]
     threads = [threading.Thread(target=_hold, args=(server.url, out)) for out in held]
     try:
@@ -244,16 +247,21 @@ def test_a_busy_server_says_so_in_the_page_and_to_attention_requests(page, serve
         until(lambda: server.metric("slots_busy") == 1)
         threads[1].start()  # the queue (of one) is full
         until(lambda: server.metric("queue_depth") == 1)
-        busy = httpx.post(server.url + "/v1/attention", json={"prompt": PROMPT})
-        assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
-        run(page, temperature="0")
-        assert page.get_by_test_id("error").text_content().startswith("The server is busy: ")
+        yield
     finally:
         for out in held:
             out.append("done")
         for thread in threads:
             thread.join(30)
     server.wait_idle()
+
+
+def test_a_busy_server_says_so_in_the_page_and_to_attention_requests(page, server):
+    with full(server):
+        busy = httpx.post(server.url + "/v1/attention", json={"prompt": PROMPT})
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full"
+        run(page, temperature="0")
+        assert page.get_by_test_id("error").text_content().startswith("The server is busy: ")
 
 
 def select(page, index: int) -> None:
@@ -278,13 +286,7 @@ def test_a_failed_attention_request_clears_what_another_token_showed(page, serve
     run(page, temperature="0", max_tokens="8")
     select(page, 3)
     assert page.locator(".strip").count() > 0
-    held: list[list] = [[], []]
-    threads = [threading.Thread(target=_hold, args=(server.url, out)) for out in held]
-    try:
-        threads[0].start()
-        until(lambda: server.metric("slots_busy") == 1)
-        threads[1].start()
-        until(lambda: server.metric("queue_depth") == 1)
+    with full(server):
         select(page, 6)  # refused (429): token 3's strips and matrix are not left under the message
         assert page.locator("#attention-error").text_content().startswith("No attention: The server is busy")
         assert (
@@ -297,12 +299,6 @@ def test_a_failed_attention_request_clears_what_another_token_showed(page, serve
         page.select_option("#layer", "2")  # nothing to draw a layer of: still nothing, not "Computing…"
         assert page.locator("[data-testid=attention-cell]").count() == 0
         assert page.locator("#matrix-caption").text_content() == ""
-    finally:
-        for out in held:
-            out.append("done")
-        for thread in threads:
-            thread.join(30)
-    server.wait_idle()
     select(page, 6)
     assert page.locator("#attention-error").is_hidden() and page.locator(".strip").count() == 8 * 4
 
