@@ -49,9 +49,8 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.attn = CausalAttention(
-            config.n_embd, config.n_embd, config.n_positions, config.attn_pdrop, config.n_head, qkv_bias=True
-        )
+        self.attn = CausalAttention(config.n_embd, config.n_embd, config.n_positions, config.attn_pdrop,
+                                    config.n_head, qkv_bias=True)  # fmt: skip
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
@@ -200,11 +199,9 @@ class GPT(nn.Module):
         if not torch.compiler.is_compiling():
             low, high = int(positions.min()), int(positions.max())
             if low < 0 or high >= span:
-                raise ValueError(
-                    f"position {high if high >= span else low} is outside 0..{span - 1}, the cache positions "
-                    f"attention reads (KV cache of {cache.max_len} positions, span {span}); allocate a "
-                    "larger cache or shorten the input"
-                )
+                raise ValueError(f"position {high if high >= span else low} is outside 0..{span - 1}, the "
+                                 f"cache positions attention reads (KV cache of {cache.max_len} positions, "
+                                 f"span {span}); allocate a larger cache or shorten the input")  # fmt: skip
         return span
 
     @property

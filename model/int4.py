@@ -179,13 +179,9 @@ class Int4TiedEmbedding(nn.Module):
 
 def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, include_head: bool = True) -> bool:
     """:func:`model.quant.quantize_child` with int4 layers."""
-    return quantize_child(
-        parent,
-        name,
-        include_head=include_head,
-        linear=lambda layer: Int4Linear.from_linear(layer, group_size),
-        head=lambda weight: Int4TiedEmbedding(*quantize_groups(weight, group_size), group_size),
-    )
+    linear = lambda layer: Int4Linear.from_linear(layer, group_size)  # noqa: E731
+    head = lambda weight: Int4TiedEmbedding(*quantize_groups(weight, group_size), group_size)  # noqa: E731
+    return quantize_child(parent, name, include_head=include_head, linear=linear, head=head)
 
 
 def quantize_int4(

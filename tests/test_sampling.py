@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from generate.engine.sampling import SamplingParams, apply_penalties, sample_row, uniform
+from generate.engine.sampling import BLOCK, SamplingParams, apply_penalties, argmax_rows, sample_row, uniform
 from helpers import choose, filter_logits
 
 V = 20
@@ -277,6 +277,23 @@ def test_greedy_picks_the_argmax_without_uniform_numbers():
     # The filters do not matter when greedy.
     greedy_filtered = SamplingParams(temperature=0, top_k=2, top_p=0.1, min_p=0.5)
     assert choose(logits, greedy_filtered, []).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, BLOCK - 1, BLOCK, 3 * BLOCK + 17, 50257])
+def test_the_two_pass_argmax_is_torchs_first_index_ties_nan_and_infinities_included(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(9, vocab, generator=gen)
+    rows[1] = 0.0  # every id ties: the first
+    rows[2, vocab // 2 :] = rows[2].max() + 1  # a tie spanning blocks: its first id
+    rows[3] = -math.inf
+    rows[4, -1] = math.inf
+    rows[5, vocab // 3], rows[5, -1] = math.nan, math.nan  # NaN counts as the maximum: its first
+    rows[6] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties in many blocks
+    rows[7, -1] = rows[7].max() + 1  # in the last, part-padded block
+    rows[8] = rows[8].round(decimals=1)
+    padded = torch.full((9, -(-vocab // BLOCK) * BLOCK), -math.inf)
+    padded[:, :vocab] = rows
+    assert argmax_rows(padded).tolist() == rows.argmax(-1).tolist()
 
 
 def test_very_low_temperature_sampling_is_the_argmax():

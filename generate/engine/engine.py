@@ -14,7 +14,7 @@ import torch
 from generate.engine.memory import check_engine_memory, out_of_memory, said_plainly
 from generate.engine.request import Request, check_prompt
 from generate.engine.runner import Runner
-from generate.engine.sampling import sample_row, uniform
+from generate.engine.sampling import BLOCK, argmax_rows, sample_row, uniform
 from generate.engine.speculate import Speculator
 from model import GPT, KVCache
 
@@ -184,14 +184,15 @@ class Engine:
         with ``proposals`` goes on to the rows after its own while each token equals the proposal."""
         events = []
         # Every row at once: a finite sum means finite logits (one reduction; an overflowed sum is checked
-        # exactly), and argmax has no order to differ in.
-        width = -(-self.vocab // 64) * 64  # rows aligned as a lone request's: a GPU's sum order depends on it
-        block = logits.new_empty(len(logits), width, dtype=torch.float32)[:, : self.vocab]
+        # exactly), and argmax has no order to differ in. Rows padded with -inf to whole blocks (argmax_rows),
+        # aligned as a lone request's: a GPU's sum order depends on it.
+        padded = logits.new_empty(len(logits), -(-self.vocab // BLOCK) * BLOCK, dtype=torch.float32)
+        padded[:, self.vocab :], block = -math.inf, padded[:, : self.vocab]
         block.copy_(logits[:, : self.vocab])
         finite = [math.isfinite(total) for total in block.sum(-1).tolist()]
         sampling = {slot: self.running[slot].sampling for slot in rows}
         plain = {slot for slot, params in sampling.items() if params.greedy and not params.penalized}
-        argmax = block.argmax(-1).tolist() if plain else None
+        argmax = argmax_rows(padded).tolist() if plain else None
         for slot, first in rows.items():
             request = self.running[slot]
             for i, proposal in enumerate([*(proposals or {}).get(slot, ()), None], start=first):

@@ -96,9 +96,7 @@ def check_engine_memory(
     prefill = cache_len * (4 * config.inner_dim * dtype.itemsize + 3 * config.n_head * cache_len * 4)
     needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
     if (free := available_memory(device)) is not None and needed > free:
-        raise MemoryError(
-            f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} positions of KV "
-            f"cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, plus working memory) but "
-            f"only {free / 2**20:,.0f} MiB are available on {device}; use fewer slots (prompts run at once) "
-            "or fewer new tokens"
-        )
+        raise MemoryError(f"this engine needs about {needed / 2**20:,.0f} MiB ({slots} slots x {cache_len} "
+                          f"positions of KV cache, {KVCache.bytes_per_token(config, dtype):,} bytes each, "
+                          f"plus working memory) but only {free / 2**20:,.0f} MiB are available on "
+                          f"{device}; use fewer slots (prompts run at once) or fewer new tokens")  # fmt: skip

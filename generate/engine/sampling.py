@@ -130,6 +130,14 @@ def _draw(probs: torch.Tensor, u: float) -> int:
     return block * BLOCK + _pick(probs[block * BLOCK : (block + 1) * BLOCK].tolist(), v)[0]
 
 
+def argmax_rows(padded: torch.Tensor) -> torch.Tensor:
+    """``padded.argmax(-1)`` of (N, W) rows, W a multiple of :data:`BLOCK` (padded with -inf), as a block's
+    maximum, then inside the first block holding the row's: the same index (of a tie, a NaN: the first)."""
+    blocks = padded.unflatten(1, (-1, BLOCK))
+    first = blocks.amax(2).argmax(1)
+    return first * BLOCK + blocks[torch.arange(len(padded), device=padded.device), first].argmax(1)
+
+
 def draw(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
     """One row's token from its (V,) logits (penalties applied): the argmax when greedy, else a draw from the
     filtered softmax at the uniform number ``u``, by rejection: draw among the tokens top-k and min-p keep;
