@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import threading
@@ -214,11 +215,17 @@ class Generator:
         The engine is kept and reused while it has ``slots`` slots and at least ``max_len`` positions (how
         many positions it holds changes no bits; its width does: see :attr:`slots`). One engine is kept at a
         time; a compiled engine holds the whole window, so one compile serves every call. While another call
-        runs in the kept engine and it does not fit, this call gets an engine of its own, not kept.
+        runs in the kept engine and it does not fit, or has no free slot (this call's requests would wait for
+        the other's to end), this call gets an engine of its own, not kept (where memory allows: else it
+        waits in the kept one).
         """
         max_len = min(max(max_len, 2), self.model.config.n_positions)
         kept = self._engine
         if kept is not None and kept.slots == slots and kept.cache.max_len >= max_len:
+            if len(kept.running) + len(kept.waiting) < slots:
+                return kept
+            with contextlib.suppress(MemoryError):
+                return self._make_engine(slots, max_len)
             return kept
         if kept is not None and kept.has_work:
             return self._make_engine(slots, max_len)

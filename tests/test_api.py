@@ -1,5 +1,7 @@
 """The Python API: Generator.generate / stream on a tiny model with GPT-2's vocabulary."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -441,6 +443,30 @@ def test_an_abandoned_stream_changes_nothing_and_is_cancelled_when_closed(wide_g
     for _, piece in zip(range(2), wide_gen.stream("To be", seed=0, **OVERLAP_OPTIONS), strict=False):
         assert piece  # a loop broken off: its request is cancelled at once
     assert not wide_gen._engine.has_work
+
+
+def test_a_call_beside_a_busy_kept_engine_with_no_free_slot_runs_in_its_own_not_after_the_other():
+    # Not deterministic, the default: a lone prompt runs in one row, so a second lone call finds no free slot.
+    gen = generate.Generator(make_model(CONFIG, seed=0, std=0.3), slots=2)
+    expected = alone(gen)
+    held = gen.stream_completion("To be", seed=0, **OVERLAP_OPTIONS)
+    first = next(held)  # read once, then left unread (still referenced)
+    busy = gen._engine
+    (request,) = busy.running.values()
+    made = len(request.token_ids)
+    later = gen.generate("that is", seed=2, **OVERLAP_OPTIONS)
+    assert len(request.token_ids) == made  # (it waited for the held call to end: 12 tokens)
+    assert (later.text, later.logprobs) == (expected["that is"].text, expected["that is"].logprobs)
+    assert gen._engine is busy  # the other engine was not kept
+    text = first + "".join(iter(lambda: next(held, None), None))
+    assert text == expected["To be"].text and not busy.has_work
+    # Where memory allows no engine of its own, the call waits in the kept one, as before.
+    held = gen.stream("To be", seed=0, **OVERLAP_OPTIONS)
+    next(held)
+    with mock.patch.object(generate.api, "Engine", side_effect=MemoryError("no memory")):
+        later = gen.generate("that is", seed=2, **OVERLAP_OPTIONS)
+    assert (later.text, later.logprobs) == (expected["that is"].text, expected["that is"].logprobs)
+    assert not gen._engine.has_work  # (the held call's request ran to its end first)
 
 
 def _inside_the_next_decode(gen: generate.Generator, monkeypatch, act) -> None:
