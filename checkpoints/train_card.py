@@ -76,7 +76,7 @@ def _samples(samples: list[dict[str, str]]) -> list[str]:
     """Unedited samples, each under the exact command (and seed) that printed it."""
     if not samples:
         return []
-    lines = ["## Samples (unedited)", ""]
+    lines = ["## Samples (unedited: the prompt, then what the command printed)", ""]
     for sample in samples:
         lines += [f"`{sample['command']}`", "", "```text", sample["prompt"] + sample["text"], "```", ""]
     return lines
