@@ -142,6 +142,21 @@ def test_the_text_can_come_from_stdin_and_svg_is_written_too(pair, tmp_path, cap
     assert (tmp_path / "a.svg").read_text().lstrip().startswith("<?xml")
 
 
+def test_tokens_with_dollar_signs_are_labelled_as_text_not_parsed_as_math(pair, tmp_path, capsys):
+    """GPT-2 has tokens "$$", " $$" and "$$$$": matplotlib reads a label with an even number of dollar
+    signs as TeX math (an empty formula, or a parse error)."""
+    from generate.tools.plot import attention_figure
+
+    _, _, directory = pair
+    text = "It cost $$ and $$$$ then"
+    for options in (["--head", "0"], []):  # (labels on one panel; on a grid's)
+        code, _, err = run([text, "-o", tmp_path / "a.png", "-c", directory, *options], capsys)
+        assert code == 0 and err.startswith("wrote "), err
+    figure = attention_figure(torch.eye(3), [" $$", "$$$$", "a"], titles=["t"])
+    figure.savefig(io.BytesIO(), format="png")
+    assert [label.get_text() for label in figure.axes[0].get_xticklabels()] == ["·$$", "$$$$", "a"]
+
+
 @pytest.mark.parametrize(
     ("options", "status", "match"),
     [(["--layer", "3"], 2, r"--layer 3 is out of range; this model has layers 0\.\.2"),

@@ -164,8 +164,9 @@ def _axes_labels(ax, labels: list[str], t: int, *, full: bool) -> None:
     ax.xaxis.set_label_position("top")
     ax.xaxis.tick_top()
     if t <= (LABELLED_TOKENS if full else LABELLED_TOKENS // 3):
-        ax.set_xticks(range(t), labels, rotation=90, fontsize=8 if full else 6)
-        ax.set_yticks(range(t), labels, fontsize=8 if full else 6)
+        # (parse_math off: a label with two dollar signs, as the tokens "$$" and "$$$$", is text, not TeX)
+        ax.set_xticks(range(t), labels, rotation=90, fontsize=8 if full else 6, parse_math=False)
+        ax.set_yticks(range(t), labels, fontsize=8 if full else 6, parse_math=False)
     else:
         step = max(1, t // 8)
         ax.set_xticks(range(0, t, step))
