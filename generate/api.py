@@ -14,7 +14,7 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine.engine import Engine, raise_errors
+from generate.engine.engine import Engine, GenerationError, raise_errors
 from generate.engine.memory import check_engine_memory, said_plainly
 from generate.engine.request import Request, make_requests
 from generate.engine.sampling import SamplingParams
@@ -190,6 +190,7 @@ class Generator:
             ValueError: if the text has more tokens than the window (``n_positions``) or a token outside the
                 model's vocabulary, or ``layer`` is out of range.
             MemoryError: if the allocator runs out of memory (said plainly).
+            GenerationError: if the weights hold NaN or infinity (a corrupt checkpoint, fp16 overflow).
         """
         ids = self.encode(text)
         window, n_layer = self.model.config.n_positions, self.model.config.n_layer
@@ -205,9 +206,9 @@ class Generator:
             raise ValueError(f"layer={layer!r} is out of range; this model has layers 0..{n_layer - 1}")
         x = torch.tensor([ids], device=self.model.device)
         with said_plainly("give a shorter text, one layer (layer=), or use a smaller dtype"):
-            if layer is not None:
-                return self.model.attention_weights(x, [layer % n_layer])[0, 0].float().cpu()
-            return self.model.attention_weights(x)[:, 0].float().cpu()
+            weights = self.model.attention_weights(x, None if layer is None else [layer % n_layer])[:, 0]
+        check_attention(weights, self.model.compute_dtype)
+        return weights.float().cpu() if layer is None else weights[0].float().cpu()
 
     def engine(self, slots: int, max_len: int) -> Engine:
         """An engine of ``slots`` slots holding ``max_len`` positions each, made once per shape and kept.
@@ -408,6 +409,15 @@ class Generator:
             except StopIteration as done:
                 return done.value[0]
             yield piece
+
+
+def check_attention(weights: torch.Tensor, dtype: torch.dtype, where: str = "") -> None:
+    """Raise :class:`GenerationError` if attention ``weights`` hold NaN or infinity (``where``: the layer)."""
+    if not torch.isfinite(weights).all():
+        raise GenerationError(
+            f"the model produced NaN or infinite attention weights{where} (dtype {dtype}); the checkpoint "
+            "may be corrupt, or float16 overflowed (try dtype='float32' or 'bfloat16')"
+        )
 
 
 def load(

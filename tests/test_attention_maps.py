@@ -14,7 +14,8 @@ import torch
 
 import generate
 from generate.tools.commands import attention_main
-from helpers import save_hf
+from helpers import make_model, save_hf
+from model import GPTConfig
 
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind"
 N_LAYER, N_HEAD, WINDOW = 3, 4, 32
@@ -80,6 +81,32 @@ def test_a_token_beyond_a_small_models_vocabulary_is_refused_as_generate_refuses
     save_hf(tmp_path, n_layer=1, n_head=2, n_embd=16, n_positions=WINDOW, vocab_size=100)
     with pytest.raises(ValueError, match=r"^token id \d+ is outside the vocabulary 0\.\.99$"):
         generate.load(tmp_path).attention("hello")  # (an IndexError from the embedding before)
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """A checkpoint with a NaN weight in its last layer's attention: that layer's weights are NaN."""
+    import checkpoints
+
+    model = make_model(GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=WINDOW), std=0.3)
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight[0, 0] = float("nan")
+    directory = tmp_path_factory.mktemp("broken")
+    checkpoints.save(model, directory)
+    return directory
+
+
+def test_nan_weights_are_an_error_as_nan_logits_are(broken, tmp_path, capsys):
+    gen = generate.load(broken)
+    with pytest.raises(generate.GenerationError, match=r"NaN or infinite attention weights \(dtype torch"):
+        gen.attention(TEXT)
+    with pytest.raises(generate.GenerationError, match="the checkpoint may be corrupt"):
+        gen.attention(TEXT, layer=1)
+    assert torch.isfinite(gen.attention(TEXT, layer=0)).all()  # (the layers before it are sound)
+    code, out, err = run([TEXT, "-o", tmp_path / "a.png", "-c", broken, "--layer", "1"], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert err.startswith("gptgen attention: error: the model produced NaN or infinite attention weights")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_quantized_model_gives_weights_close_to_fp32(pair):

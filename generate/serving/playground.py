@@ -21,7 +21,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from generate.api import Generator
+from generate.api import Generator, check_attention
 from generate.engine.memory import said_plainly
 from generate.serving import openai_api as oa
 from generate.serving import openai_fields as fields
@@ -137,6 +137,7 @@ class AttentionJob:
             block = model.h[self.layer]
             if self.layer in ask.layers:
                 weights = block.attn.attention_weights(block.ln_1(self._x))[0]  # (nh, T, T)
+                check_attention(weights, model.compute_dtype, f" in layer {self.layer}")  # (JSON has no NaN)
                 self.weights.append(weights[ask.heads][:, ask.queries].float().cpu().tolist())
             self.layer += 1
             self._x = None if self.done else block(self._x)
