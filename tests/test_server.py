@@ -20,6 +20,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 import checkpoints
 import generate
@@ -798,3 +799,35 @@ def test_a_speculating_server_streams_the_offline_text_and_counts_proposals(tmp_
         assert 0 < s.metric("speculative_acceptance_rate") <= 1
     finally:
         assert s.stop() == 0, "".join(s.lines)
+
+
+def test_echo_of_nan_logits_is_500_generation_failed_not_nan_in_the_body(tmp_path):
+    """In process: a checkpoint whose logits are NaN, its prompt scored for echo with no token to generate:
+    500 generation_failed, as generating from it (the body held NaN, which JSON has not, or failed as an
+    internal error)."""
+    from starlette.testclient import TestClient
+
+    from generate.serving.server import Settings, build_app
+
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3)
+    with torch.no_grad():
+        model.h[0].attn.c_attn.weight[0, 0] = float("nan")
+    checkpoints.save(model, tmp_path)
+    gen = generate.load(tmp_path, slots=1)
+    app = build_app(Settings(str(tmp_path)))
+    loop = app.state.gptgen.attach(gen, gen.engine(1, 32))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        with TestClient(app) as http:
+            body = {"prompt": "To be or not", "max_tokens": 0, "echo": True, "logprobs": 1}
+            for stream in (False, True):
+                answer = http.post("/v1/completions", json=body | {"stream": stream})
+                assert answer.status_code == 500, answer.text
+                error = answer.json()["error"]
+                assert error["code"] == "generation_failed" and "NaN or infinite logits" in error["message"]
+    finally:
+        loop.stop(60)
+        loop.close()
+        thread.join(30)
+    assert not thread.is_alive()

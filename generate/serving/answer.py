@@ -8,6 +8,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 from generate.api import Generator
+from generate.engine.engine import GenerationError
 from generate.engine.request import Request
 from generate.serving import openai_api as oa
 from generate.serving.engine_loop import SHUTDOWN, EngineLoop, Update
@@ -140,7 +141,8 @@ def sse(obj: object) -> str:
 
 class PromptScorer:
     """Each prompt token's log-probability given the tokens before it (the first has none), and the ``top``
-    most likely tokens' there (by id, as a generated token's), computed :data:`SCORE_CHUNK` positions a call
+    most likely tokens' there (by id, as a generated token's; NaN or infinite logits raise GenerationError
+    as generation's end a request), computed :data:`SCORE_CHUNK` positions a call
     through a KV cache of the prompt's own: the server runs one call between two decode steps, so scoring a
     long prompt never stalls the streams for long."""
 
@@ -171,6 +173,12 @@ class PromptScorer:
             positions = torch.arange(start, end, device=device)[None]
             logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
             logits = logits[:, : self.vocab]  # (a padded vocabulary's ids beyond the tokenizer's: none)
+            if not torch.isfinite(logits).all():  # (as in a generating step; JSON has no NaN)
+                raise GenerationError(
+                    f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring the "
+                    "prompt for echo; the checkpoint may be corrupt, or float16 overflowed (try "
+                    "dtype='float32' or 'bfloat16')"
+                )
             chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
             log_probs = torch.log_softmax(logits, dim=-1)
             self.logprobs += log_probs.gather(-1, chosen)[:, 0].tolist()

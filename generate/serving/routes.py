@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from generate.api import Generator
+from generate.engine.engine import GenerationError
 from generate.engine.request import Request
 from generate.serving import checks, playground
 from generate.serving import openai_api as oa
@@ -128,7 +129,10 @@ class Endpoints:
             for p in answer.job.prompts:
                 scorer = PromptScorer(gen, p, answer.job.logprobs or 0)
                 async with self.state.scoring:
-                    await step_until_done(loop, request, note, scorer)
+                    try:
+                        await step_until_done(loop, request, note, scorer)
+                    except GenerationError as e:  # (NaN logits: 500, as generating them)
+                        raise failure(str(e)) from None
                 answer.prompt_logprobs.append(scorer.logprobs)
                 answer.prompt_top.append(scorer.alternatives)
         except BaseException:
