@@ -279,6 +279,21 @@ def test_an_echoed_empty_prompt_takes_no_characters_in_the_text_offsets(client, 
     assert offsets == [0] + [sum(len(t) for t in tokens[1:i]) for i in range(1, 5)]  # (it was 13 + ...)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_echoed_prompt_ending_inside_a_character_puts_the_completion_after_it(client, offline, stream):
+    # The prompt's ids end with the first two bytes of "こ" (echoed as "\ufffd"): the first generated
+    # token's text starts after that character, not on it.
+    prompt = [*offline.encode("To be"), 2515]
+    assert offline.tokenizer.decode_single_token_bytes(2515) == "こ".encode()[:2]
+    got = client.completions.create(model="shakespeare", prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True, logprobs=0, stream=stream)  # fmt: skip
+    chunks = list(got) if stream else [got]
+    text = "".join(c.choices[0].text for c in chunks)
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert text.startswith("To be\ufffd") and len(offsets) > len(prompt)
+    assert offsets[len(prompt) - 1] == 5 and offsets[len(prompt)] == 6  # (it was 5: on the "\ufffd")
+
+
 def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
     got = client.completions.create(
         model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, logprobs=1

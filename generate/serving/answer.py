@@ -57,7 +57,9 @@ class Answer:
         self.prompt_top: list[list[dict[int, float] | None]] = []  # (each prompt's, as scored for echo)
         # (an echoed empty text was sent as <|endoftext|>, which the echo does not show: no characters)
         unshown = [int(job.echo and not job.prompt_texts[self.prompt_of(i)]) for i in range(len(requests))]
-        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes, unshown=u) for u in unshown]
+        echoed = [len(job.prompts[self.prompt_of(i)]) if job.echo else 0 for i in range(len(requests))]
+        self.offsets = [oa.TextOffsets(gen.tokenizer.decode_single_token_bytes, unshown=u, prompt=p)
+                        for u, p in zip(unshown, echoed, strict=True)]  # fmt: skip
         self.chunk_kind = "chat.completion.chunk" if job.chat else "text_completion"
         self._ids_sent: set[int] = set()  # (choices whose prompt ids went: return_token_ids)
 

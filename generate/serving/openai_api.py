@@ -80,10 +80,15 @@ class TokenText:
 
 class TextOffsets:
     """Where each token's text starts in a choice's text, in characters, token by token: a token holding
-    part of a UTF-8 character starts where that character will."""
+    part of a UTF-8 character starts where that character will. ``unshown``: how many first tokens have no
+    text; ``prompt``: how many first tokens are an echoed prompt, whose text is decoded alone (a character
+    it leaves unfinished is a U+FFFD of its own, before the completion's text)."""
 
-    def __init__(self, token_bytes: Callable[[int], bytes], start: int = 0, unshown: int = 0) -> None:
+    def __init__(
+        self, token_bytes: Callable[[int], bytes], start: int = 0, unshown: int = 0, prompt: int = 0
+    ) -> None:
         self._token_bytes, self._offset, self._unshown = token_bytes, start, unshown  # (first: no text)
+        self._prompt = prompt
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def __call__(self, tokens: list[int]) -> list[int]:
@@ -91,10 +96,11 @@ class TextOffsets:
         offsets = []
         for t in tokens:
             offsets.append(self._offset)
+            self._prompt -= 1
             if self._unshown:
                 self._unshown -= 1
                 continue
-            self._offset += len(self._decoder.decode(self._token_bytes(t)))
+            self._offset += len(self._decoder.decode(self._token_bytes(t), final=self._prompt == 0))
         return offsets
 
 
