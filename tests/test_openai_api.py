@@ -540,7 +540,7 @@ def test_completion_logprobs_offsets_are_cumulative_from_the_start():
         "tokens": ["Hello", ",", " world"],
         "token_logprobs": [None, -0.5, -2.0],
         "text_offset": [5, 10, 11],
-        "top_logprobs": [None, {",": -0.5, ".": -1.5}, {}],
+        "top_logprobs": [None, {",": -0.5, ".": -1.5}, {" world": -2.0}],  # (as OpenAI's: the token too)
     }
 
 

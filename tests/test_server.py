@@ -247,6 +247,16 @@ def test_logprobs_are_the_offline_ones_with_alternatives(client, offline):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_each_sampled_tokens_alternatives_hold_it_too_as_openais_do(client, stream):
+    got = client.completions.create(model="shakespeare", prompt="What light", max_tokens=24, temperature=1.5,
+                                    seed=3, logprobs=1, stream=stream)  # fmt: skip
+    entries = [c.choices[0].logprobs for c in (got if stream else [got])]
+    rows = [row for lp in entries for row in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)]
+    assert len(rows) == 24 and all(top[token] == chosen and len(top) <= 2 for token, chosen, top in rows)
+    assert any(len(top) == 2 for _, _, top in rows)  # (some sampled token was not the most likely)
+
+
 @pytest.mark.parametrize(("stream", "echo"), [(False, False), (True, False), (True, True)])
 def test_return_token_ids_gives_each_choices_ids_and_its_prompts(client, offline, stream, echo):
     # vLLM's extension: the ids generated (the playground shows the attention over exactly these).
@@ -308,8 +318,10 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, offline):
     with torch.inference_mode():
         full = torch.log_softmax(offline.model(torch.tensor([ids]))[0, 0], -1)
     assert lp.token_logprobs[1] == pytest.approx(float(full[ids[1]]), abs=1e-5)
-    best = offline.tokenizer.decode([int(full.argmax())])  # a prompt token's alternatives, as OpenAI gives
-    assert list(lp.top_logprobs[1]) == [best] and lp.top_logprobs[1][best] == pytest.approx(float(full.max()))
+    best = offline.tokenizer.decode([int(full.argmax())])  # a prompt token's alternatives, as OpenAI gives:
+    assert list(lp.top_logprobs[1]) == [best, lp.tokens[1]]  # the best, then the token itself
+    assert lp.top_logprobs[1][best] == pytest.approx(float(full.max()))
+    assert lp.top_logprobs[1][lp.tokens[1]] == lp.token_logprobs[1]
     assert len(lp.tokens) == len(ids) + len(want.token_ids)
     streamed = client.completions.create(
         model="shakespeare", prompt="What light", max_tokens=5, temperature=0, echo=True, stream=True

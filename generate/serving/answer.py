@@ -143,10 +143,9 @@ def sse(obj: object) -> str:
 
 class PromptScorer:
     """Each prompt token's log-probability given the tokens before it (the first has none), and the ``top``
-    most likely tokens' there (by id, as a generated token's; NaN or infinite logits raise GenerationError
-    as generation's end a request), computed :data:`SCORE_CHUNK` positions a call
+    most likely tokens' there (by id, as a generated token's), computed :data:`SCORE_CHUNK` positions a call
     through a KV cache of the prompt's own: the server runs one call between two decode steps, so scoring a
-    long prompt never stalls the streams for long."""
+    long prompt never stalls the streams for long. NaN or infinite logits raise GenerationError."""
 
     def __init__(self, gen: Generator, prompt: list[int], top: int = 0) -> None:
         self.model, self.prompt, self.top = gen.model, prompt, top

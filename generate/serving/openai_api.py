@@ -111,17 +111,16 @@ def completion_logprobs(
     name: TokenText,
     offset: int | TextOffsets,
 ) -> dict[str, Any]:
-    """The completions ``logprobs`` object: tokens, their logprobs, the alternatives, and where each token's
-    text starts in the choice's text (``offset``: the first one's, or a :class:`TextOffsets` carried on from
-    the previous chunk)."""
+    """The completions ``logprobs`` object: tokens, their logprobs, the alternatives (as OpenAI's, the token
+    itself among them: up to ``logprobs`` + 1), and where each token's text starts in the choice's text
+    (``offset``: the first one's, or a :class:`TextOffsets` carried on from the previous chunk)."""
     names = [name(t) for t in tokens]
     offsets = (offset if isinstance(offset, TextOffsets) else TextOffsets(name.token_bytes, offset))(tokens)
-    return {
-        "tokens": names,
-        "token_logprobs": logprobs,
-        "text_offset": offsets,
-        "top_logprobs": [None if alt is None else {name(t): lp for t, lp in alt.items()} for alt in top],
-    }
+    alternatives = [
+        None if alt is None else {name(t): lp for t, lp in alt.items()} | {names[i]: logprobs[i]}
+        for i, alt in enumerate(top)
+    ]
+    return {"tokens": names, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": alternatives}
 
 
 def chat_logprobs(
