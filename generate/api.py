@@ -166,8 +166,13 @@ class Generator:
             or isinstance(text, (bytes, bytearray))
             or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in text)
         ):  # (an iterator is no sequence: checking it would use it up)
-            raise TypeError(f"text must be a str or a list of token ids (ints), got {type(text).__name__}; "
-                            "decode bytes first")  # fmt: skip
+            name, hint = type(text).__name__, ""
+            if isinstance(text, (bytes, bytearray)):
+                hint = "; decode it first (e.g. .decode('utf-8'))"
+            elif isinstance(text, Sequence):  # (an item no int: several texts, a 2-D array's rows, floats)
+                bad = next(t for t in text if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+                name, hint = f"{name} holding {type(bad).__name__}", "; score one text a call, ids as ints"
+            raise TypeError(f"text must be a str or a list of token ids (ints), got {name}{hint}")
         else:
             ids = [int(t) for t in text]
         return score_ids(self.model, ids, stride=stride, batch_size=batch_size, progress=progress)

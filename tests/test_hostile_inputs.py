@@ -130,10 +130,12 @@ def test_library_arguments_of_the_wrong_kind_are_value_errors_naming_them(tmp_pa
 
     gen = generate.load(text_ckpt)
     model = gen.model
-    for bad, match in [(iter([1, 2, 3]), "got list_iterator"), (5, "got int"), (b"ab", "got bytes")]:
-        with pytest.raises(
-            TypeError, match=rf"^text must be a str or a list of token ids \(ints\), {match}; decode"
-        ):
+    refused = [(iter([1, 2, 3]), "got list_iterator$"), (5, "got int$"), (b"ab", "got bytes; decode"),
+               (["a", "b"], "got list holding str; score one text a call"),
+               ([[1, 2], [3]], "got list holding list; score one"),
+               ((1, 2.0), "got tuple holding float;")]  # fmt: skip
+    for bad, match in refused:
+        with pytest.raises(TypeError, match=rf"^text must be a str or a list of token ids \(ints\), {match}"):
             gen.score(bad)
     assert gen.score([1, 2, np.int64(3)], stride=np.int64(4)).token_ids == [1, 2, 3]
     assert gen.attention("to be", layer=np.int64(0)).shape[0] == model.config.n_head

@@ -143,7 +143,7 @@ def test_other_dtypes_score_close_to_fp32(pair, dtype):
      (TEXT, {"stride": True}, ValueError, r"stride=True is out of range"),
      (TEXT, {"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
      ([1, 2, 60000], {}, ValueError, r"token id 60000 is outside the vocabulary 0\.\.50256"),
-     (b"bytes", {}, TypeError, "decode bytes first"),
+     (b"bytes", {}, TypeError, "got bytes; decode it first"),
      (["a", "b"], {}, TypeError, "a str or a list of token ids")],
 )  # fmt: skip
 def test_bad_input_is_refused_naming_the_value(pair, text, options, error, match):
