@@ -215,5 +215,6 @@ class GPT(nn.Module):
         return self.ln_f.weight.device
 
     def num_parameters(self) -> int:
-        """Number of parameters (the tied head counted once)."""
-        return sum(p.numel() for p in self.parameters())
+        """Number of parameters (the tied head counted once), quantized or not (its weights are buffers)."""
+        with torch.device("meta"):  # (shapes only: the unquantized model of this config)
+            return sum(p.numel() for p in GPT(self.config).parameters())

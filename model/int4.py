@@ -184,9 +184,8 @@ def quantize_child_int4(parent: nn.Module, name: str, group_size: int, *, includ
     return quantize_child(parent, name, include_head=include_head, linear=linear, head=head)
 
 
-def quantize_int4(
-    model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE, *, include_head: bool = True
-) -> nn.Module:
+def quantize_int4(model: nn.Module, group_size: int = DEFAULT_GROUP_SIZE, *,
+                  include_head: bool = True) -> nn.Module:  # fmt: skip
     """Quantize a GPT's linear layers (and with ``include_head`` its tied head) to int4 in place."""
     check_group_size(group_size)
     return quantize_model(model, quantize_child_int4, group_size=group_size, include_head=include_head)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from helpers import TINY_CONFIGS, make_model
+from helpers import INT4_CONFIG, TINY_CONFIGS, in_dtype, make_model
 from model import GPT, GPTConfig, KVCache
 
 
@@ -29,6 +29,16 @@ def test_output_head_is_the_token_embedding():
         assert torch.allclose(logits, model.ln_f(hidden) @ model.wte.weight.T, atol=1e-5)
         assert torch.allclose(model(x, last_only=True)[:, 0], logits[:, -1], atol=1e-6)
     assert not any("lm_head" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int8-body", "int4", "int4-body"])
+def test_num_parameters_is_the_checkpoints_in_every_dtype(dtype):
+    # GPT-2 124M's formula (the tied head once), whether the weights are parameters or quantized buffers.
+    c = INT4_CONFIG
+    layer = 12 * c.n_embd**2 + 13 * c.n_embd  # two LayerNorms, four linear layers with biases (MLP 4x wide)
+    expected = c.vocab_size * c.n_embd + c.n_positions * c.n_embd + c.n_layer * layer + 2 * c.n_embd
+    assert make_model(c).num_parameters() == expected
+    assert in_dtype(make_model(c), dtype).num_parameters() == expected
 
 
 def test_positions_are_explicit_per_row():
