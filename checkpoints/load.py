@@ -363,8 +363,7 @@ def load(
     _check_tied_head(headers)
     if bits == 4:
         widths = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        for width in sorted(widths | ({cfg.n_embd} if include_head else set())):
-            int4.check_group_size(group_size, width)  # before any weight is read
+        int4.check_group_size(group_size, *sorted(widths | {cfg.n_embd}))  # before any weight is read
     model = model.to(dtype=dtype)  # still on meta: the layouts for dtype are fitted without memory
     if not quantize and device.type == "cpu" and not plain:
         _lay_out_weights(model)

@@ -24,16 +24,17 @@ INNER_K_TILES = 8  # CUDA's packing parameter (fewer for widths not multiples of
 DEQUANT_ROWS = 256  # input rows from which a CPU product runs in bf16 (about where both ways cost the same)
 
 
-def check_group_size(group_size: int, width: int | None = None) -> None:
-    """ValueError unless ``group_size`` is in GROUP_SIZES and divides ``width`` (torch<2.6: RuntimeError)."""
+def check_group_size(group_size: int, *widths: int) -> None:
+    """ValueError unless ``group_size`` is in GROUP_SIZES and divides the widths (torch<2.6: RuntimeError)."""
     if type(group_size) is not int or group_size not in GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size!r}")
     if not hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):  # (new in torch 2.6)
         raise RuntimeError(f"int4 needs torch 2.6 or newer, not {torch.__version__}; pip install torch==2.13")
-    if width is not None and width % group_size:
+    if bad := [width for width in widths if width % group_size]:
+        fits = " or ".join(str(g) for g in GROUP_SIZES if all(width % g == 0 for width in widths))
+        fix = f"use group_size {fits}" if fits else f"no int4 group size {GROUP_SIZES} divides it: use int8"
         raise ValueError(f"int4 with group_size {group_size} needs every linear layer's input width to be a "
-                         f"multiple of it, but this model has one of width {width}; use a group size that "
-                         "divides it, or int8")  # fmt: skip
+                         f"multiple of it, but this model has one of width {bad[0]}; {fix}")  # fmt: skip
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,14 +79,10 @@ class Int8TiedEmbedding(nn.Module):
         return _int8_mm(x, self.q, self.scale)
 
 
-def quantize_child(
-    parent: nn.Module,
-    name: str,
-    *,
-    include_head: bool = True,
-    linear: Callable[[nn.Linear], nn.Module] = Int8Linear,
-    head: Callable[[torch.Tensor], nn.Module] = lambda weight: Int8TiedEmbedding(*quantize_rows(weight)),
-) -> bool:
+def quantize_child(parent: nn.Module, name: str, *, include_head: bool = True,
+                   linear: Callable[[nn.Linear], nn.Module] = Int8Linear,
+                   head: Callable[[torch.Tensor], nn.Module] = lambda w: Int8TiedEmbedding(*quantize_rows(w)),
+                   ) -> bool:  # fmt: skip
     """Replace ``parent``'s child ``name`` by ``linear(child)`` if it is a linear layer, or (with
     ``include_head``) by ``head(weight)`` if it is the tied embedding; return whether it did."""
     child = getattr(parent, name)

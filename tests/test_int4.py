@@ -6,7 +6,7 @@ import torch
 
 from generate import SamplingParams, generate_ids
 from helpers import INT4_CONFIG, TINY_CONFIGS, cached_logits, dequantize, make_model
-from model import int4
+from model import GPTConfig, int4
 from model.int4 import Int4Linear, Int4TiedEmbedding, quantize_groups, quantize_int4
 
 
@@ -245,8 +245,19 @@ def test_bad_group_sizes_are_refused_naming_the_value_and_the_fix(tmp_path):
     import checkpoints
 
     checkpoints.save(make_model(TINY_CONFIGS["5x3x48"]), tmp_path)  # widths 48 and 192
-    with pytest.raises(ValueError, match=r"group_size 32 .* width 48; use a group size that divides it"):
+    with pytest.raises(ValueError, match=r"group_size 32 .* width 48; no int4 group size \(32, 64, 128\) "
+                                         r"divides it: use int8$"):  # fmt: skip
         checkpoints.load(tmp_path, dtype="int4")
+    # The group sizes offered divide every width, not only the one named (widths 64, then 96).
+    wide = GPTConfig(vocab_size=97, n_positions=40, n_embd=64, n_layer=1, n_head=2, n_inner=96)
+    checkpoints.save(make_model(wide), tmp_path / "wide")
+    with pytest.raises(ValueError, match=r"group_size 64 .* width 96; use group_size 32$"):
+        checkpoints.load(tmp_path / "wide", dtype="int4", group_size=64)
+    with pytest.raises(ValueError, match=r"group_size 128 .* width 64; use group_size 32$"):
+        checkpoints.load(tmp_path / "wide", dtype="int4-body", group_size=128)
+    checkpoints.save(make_model(INT4_CONFIG), tmp_path / "int4")  # widths 64 and 256
+    with pytest.raises(ValueError, match=r"group_size 128 .* width 64; use group_size 32 or 64$"):
+        checkpoints.load(tmp_path / "int4", dtype="int4", group_size=128)
     with pytest.raises(ValueError, match=r"must be one of \(32, 64, 128\), got 48"):
         checkpoints.load(tmp_path, dtype="int4", group_size=48)
     with pytest.raises(ValueError, match=r"must be one of \(32, 64, 128\), got 64\.0"):
