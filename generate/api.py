@@ -468,6 +468,10 @@ def load(
         source, config=config, device=device, dtype=dtype, group_size=group_size, plain=plain
     )
     if draft is not None and draft != "ngram":  # (a path, even one spelled ngram, is a checkpoint)
-        draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
+        try:
+            draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
+        except ValueError as e:  # (the options suit the target: say which model one does not fit)
+            kind = checkpoints.CheckpointError if isinstance(e, checkpoints.CheckpointError) else ValueError
+            raise kind(f"the draft {os.fspath(draft)}: {e}") from None
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
                      draft=draft)  # fmt: skip

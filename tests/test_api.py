@@ -1,5 +1,6 @@
 """The Python API: Generator.generate / stream on a tiny model with GPT-2's vocabulary."""
 
+import re
 from unittest import mock
 
 import pytest
@@ -549,3 +550,15 @@ def test_bad_options_are_refused_with_no_prompts_as_with_one(gen, option, match)
     with pytest.raises(ValueError, match=match):
         gen.generate([], **option)  # (it returned [])
     assert gen.generate([], max_new_tokens=3) == []
+
+
+def test_a_draft_the_dtype_does_not_suit_is_named_in_the_error(tmp_path):
+    # The target takes int4 groups of 32 (width 32); a draft of width 48 cannot: the error names the draft.
+    checkpoints.save(make_model(CONFIG), tmp_path / "target")
+    draft_config = GPTConfig(n_layer=1, n_head=2, n_embd=48, n_positions=WINDOW)
+    checkpoints.save(make_model(draft_config), tmp_path / "d")
+    draft, missing = (re.escape(str(tmp_path / name)) for name in ("d", "none"))
+    with pytest.raises(ValueError, match=rf"^the draft {draft}: int4 with group_size 32 .* width 48"):
+        generate.load(tmp_path / "target", dtype="int4", draft=tmp_path / "d")
+    with pytest.raises(checkpoints.CheckpointError, match=rf"^the draft {missing}: checkpoint path"):
+        generate.load(tmp_path / "target", dtype="int4", draft=tmp_path / "none")
