@@ -114,7 +114,7 @@ def test_a_quantized_model_gives_weights_close_to_fp32(pair):
     bf16 = generate.load(directory, dtype="int8").attention(TEXT)
     assert bf16.dtype == torch.float32
     assert (bf16 - gen.attention(TEXT)).abs().max() < 0.05
-    torch.testing.assert_close(bf16.sum(-1), torch.ones(bf16.shape[:-1]), atol=1e-2, rtol=0)
+    torch.testing.assert_close(bf16.sum(-1), torch.ones(bf16.shape[:-1]), atol=3e-3, rtol=0)  # (the README's)
 
 
 # --- the command ---
