@@ -149,6 +149,7 @@ def test_the_command_runs_the_file_and_says_what_it_wrote(ckpt, gen, tmp_path, c
      (("in.jsonl", "out.jsonl"), ["--workers", "2"], 2, r"--workers and --cpus-per-worker apply with --ray"),
      (("in.jsonl", "out.jsonl"), ["--cpus-per-worker", "1"], 2, r"--workers and --cpus-per-worker apply"),
      (("in.jsonl", "out.jsonl"), ["--batch-size", "0"], 2, r"--batch-size must be >= 1, got 0"),
+     (("in.jsonl", "out.jsonl"), ["--batch-size", str(10**20)], 1, r"needs about .* \(10{20} slots x "),
      (("in.jsonl", "out.jsonl"), ["-t", "-1"], 2, r"temperature=-1\.0 is out of range"),
      (("in.jsonl", "out.jsonl"), ["--stop", ""], 2, r"stop strings must be non-empty strings, got ''"),
      (("in.jsonl", "out.jsonl"), ["--seed", "-1"], 2, r"seed=-1 is out of range"),

@@ -127,3 +127,10 @@ def test_a_bare_memory_error_still_says_out_of_memory():
     from generate.tools.cli import error_message
 
     assert error_message(MemoryError()) == "out of memory"
+
+
+def test_more_slots_than_a_tensor_can_hold_are_refused_as_too_large():
+    model = make_model(TINY_CONFIGS["2x2x32"])
+    gen = generate.Generator(model, slots=10**20, deterministic=True)  # (every call: 10**20 rows)
+    with pytest.raises(MemoryError, match=r"needs about [\d,]+ MiB \(100000000000000000000 slots x 3 "):
+        gen.generate("a", max_new_tokens=2)

@@ -91,7 +91,7 @@ def check_engine_memory(
 ) -> None:
     """Refuse (MemoryError naming the figures and what to make smaller) an engine that would not fit: beyond
     the weights it needs the KV cache, per-row vocabulary-sized state and one prefill's activations."""
-    cache = KVCache(config, slots, cache_len, dtype=dtype, device="meta").nbytes  # (shapes only: no memory)
+    cache = slots * KVCache(config, 1, cache_len, dtype=dtype, device="meta").nbytes  # (on meta: no memory)
     # (a prefill's cached attention holds three fp32 (n_head, T, T) tensors at its peak)
     prefill = cache_len * (4 * config.inner_dim * dtype.itemsize + 3 * config.n_head * cache_len * 4)
     needed = cache + slots * config.vocab_size * VOCAB_BYTES_PER_ROW + prefill
