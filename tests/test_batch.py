@@ -196,6 +196,9 @@ def test_an_output_that_is_not_ours_is_refused_and_left_whole(gen, tmp_path):
         run_file(gen, write_jsonl(tmp_path / "empty.jsonl", []), tmp_path / "out.jsonl", DEFAULTS, slots=2)
     with pytest.raises(ValueError, match=r"the output .*in\.jsonl is the input; give another file"):
         run_file(gen, source, source, DEFAULTS, slots=2)
+    with pytest.raises(ValueError, match=r"the output's folder .*missing does not exist; create it, or "):
+        run_file(gen, source, tmp_path / "missing" / "out.jsonl", DEFAULTS, slots=2)  # (before any row runs)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_a_line_separator_in_the_text_survives_a_resume(gen, tmp_path):

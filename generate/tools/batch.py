@@ -277,6 +277,9 @@ def run_file(
     output = Path(output_path)
     if output.exists() and os.path.samefile(output, input_path):  # (a link to it too, hard or symbolic)
         raise ValueError(f"the output {output_path} is the input; give another file")
+    if not output.parent.is_dir():  # (found here, not once the first chunk is generated)
+        raise ValueError(f"the output's folder {output.parent} does not exist; create it, or give another "
+                         "output")  # fmt: skip
     rows = read_rows(input_path)
     if not rows:
         raise ValueError(f"input {input_path} has no rows; give a file with at least one prompt")
