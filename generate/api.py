@@ -97,6 +97,10 @@ class Generator:
         slots = int(slots)  # (a numpy integer too)
         self.model = model.eval()
         self.tokenizer = tokenizer or checkpoints.load_tokenizer()
+        vocab = min(model.config.vocab_size, self.tokenizer.n_vocab)  # (the ids a prompt or output can hold)
+        if isinstance(draft, GPT) and draft.config.vocab_size < vocab:
+            raise ValueError(f"the draft's vocabulary has {draft.config.vocab_size} tokens, the model's "
+                             f"{vocab}; give a draft sharing the model's tokenizer")  # fmt: skip
         self.compile, self.slots, self.deterministic = compile, slots, bool(deterministic)
         self.progress, self.draft = progress, draft
         self._counts = Counts()

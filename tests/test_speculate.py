@@ -292,6 +292,16 @@ def test_bad_draft_settings_are_refused():
         NgramProposer(0)
 
 
+def test_a_draft_with_a_smaller_vocabulary_is_refused_not_fed_ids_it_lacks():
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))  # GPT-2's vocabulary
+    draft = make_model(GPTConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    with pytest.raises(ValueError, match=r"the draft's vocabulary has 300 tokens, the model's 50257; give a"):
+        generate.Generator(model, draft=draft)
+    padded = make_model(GPTConfig(vocab_size=50304, n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    out = generate.Generator(padded, draft=model).generate("To be, or not to be", max_new_tokens=5)
+    assert len(out.token_ids) == 5  # (a draft of the tokenizer's ids serves a padded vocabulary)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     def propose(history, k=3):
         return NgramProposer(3).propose(0, Request(history, max_new_tokens=99, eos_id=None), k)
