@@ -149,6 +149,22 @@ def test_a_job_the_cluster_cannot_run_is_one_line_of_error(cluster, ckpt, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, r"input \S+in\.jsonl does not exist; give an existing file$"),
+     ('{"prompt": "a"}\n{oops\n',
+      r"a Ray worker failed: \S*JSONDecodeError: Extra data: line 2 column 1 .* \(Ray's logs: \S+\)$")],
+)  # fmt: skip
+def test_an_input_ray_cannot_read_is_one_line_saying_why(cluster, ckpt, tmp_path, content, match):
+    source = tmp_path / "in.jsonl"
+    if content is not None:
+        source.write_text(content)
+    done = gptgen_batch(source, tmp_path / "out", "-c", ckpt, *OPTIONS, "--ray", cluster)
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr[-3000:]
+    assert re.search(match, done.stderr.strip()), done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
     import time
 

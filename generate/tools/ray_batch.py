@@ -12,6 +12,7 @@ Needs ``pip install -e ".[ray]"``.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -93,7 +94,10 @@ def run_ray(
         use_gpu = str(load_options.get("device") or "cpu").startswith("cuda")
         _check_resources(ray, workers, cpus_per_worker, use_gpu)
         read = ray.data.read_parquet if fmt == "parquet" else ray.data.read_json
-        ds = read(input_path)
+        try:
+            ds = read(input_path)
+        except FileNotFoundError:  # (its message is the path alone)
+            raise ValueError(f"input {input_path} does not exist; give an existing file") from None
         total = remaining = ds.count()
         if total == 0:
             raise ValueError(f"input {input_path} has no rows; give a file with at least one prompt")
@@ -123,9 +127,11 @@ def run_ray(
     except ray.exceptions.RayError as e:  # a worker's failure: its last line, not Ray's whole report
         if created and output.is_dir() and not any(output.iterdir()):
             output.rmdir()
-        lines = str(e).strip().splitlines()
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        # its error's line ("module.Error: message"), not the advice on retrying Ray may print after it
+        what = next((line for line in reversed(lines) if re.match(r"[A-Za-z_][\w.]*: ", line)), lines[-1])
         logs = _logs_dir(ray)
-        what = (lines[-1] if lines else type(e).__name__) + (f" (Ray's logs: {logs})" if logs else "")
+        what += f" (Ray's logs: {logs})" if logs else ""
         raise RuntimeError(f"a Ray worker failed: {what}") from None
     finally:
         if started:
