@@ -165,6 +165,18 @@ def test_an_input_ray_cannot_read_is_one_line_saying_why(cluster, ckpt, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_an_output_folder_holding_the_input_is_refused_not_read_as_done(ckpt, tmp_path):
+    source = tmp_path / "data" / "in.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    for out in (source.parent, tmp_path):  # (its rows would be read as the output's: nothing to run)
+        done = gptgen_batch(source, out, "-c", ckpt, *OPTIONS, "--ray")
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert re.fullmatch(r"gptgen batch: error: the output folder \S+ holds the input \S+in\.jsonl; give "
+                            r"another folder\n", done.stderr), done.stderr  # fmt: skip
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["data", "in.jsonl"]
+
+
 def test_progress_counts_the_rows_in_new_part_files_only(tmp_path):
     import time
 

@@ -80,6 +80,8 @@ def run_ray(
     output = Path(output_dir)
     if output.exists() and not output.is_dir():
         raise ValueError(f"with --ray the output is a folder of part files; {output_dir} is a file")
+    if output.resolve() in Path(input_path).resolve().parents:  # (its rows would read as done)
+        raise ValueError(f"the output folder {output_dir} holds the input {input_path}; give another folder")
     load_options = _for_workers(load_options)
     started = not ray.is_initialized()
     if started and address is None:
