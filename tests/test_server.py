@@ -197,6 +197,16 @@ def test_chat_equals_the_offline_api_on_the_template(client, offline):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
+def test_chat_logprobs_streamed_are_the_whole_answers_and_the_role_chunk_has_none(client):
+    options = dict(model="shakespeare", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, seed=3,
+                   logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = client.chat.completions.create(**options).choices[0].logprobs.content
+    chunks = [c for c in client.chat.completions.create(**options, stream=True) if c.choices]
+    role = chunks[0].choices[0]
+    assert role.delta.role == "assistant" and role.logprobs is None  # (it was {"content": []})
+    assert [e for c in chunks[1:] for e in c.choices[0].logprobs.content] == whole and len(whole) == 8
+
+
 def test_n_choices_use_seed_plus_their_index(client, offline):
     got = client.completions.create(model="shakespeare", prompt="ROMEO:", max_tokens=20, n=2, **SAMPLED)
     options = {k: v for k, v in SAMPLED.items() if k != "seed"}
@@ -366,7 +376,8 @@ def test_tokenize_and_detokenize(server, offline):
      ("/v1/completions", {"prompt": "x", "model": 5}, "model", r"^model: got 5; it must be a string"),
      # OpenAI's no-op fields are completions' and chat's only
      ("/v1/attention", {"prompt": "x", "best_of": 1}, "best_of", r"^unrecognized request field 'best_of'"),
-     ("/tokenize", {"prompt": "x", "store": False}, "store", r"^unrecognized request field 'store'")],
+     ("/tokenize", {"prompt": "x", "store": False}, "store", r"^unrecognized request field 'store'"),
+     ("/tokenize", {"prompt": "x", "messages": []}, "messages", r"^give prompt or messages, not both$")],
 )  # fmt: skip
 def test_endpoints_refuse_unknown_fields_and_a_model_that_is_not_a_string(server, path, body, param, match):
     reply = httpx.post(server.url + path, json=body)

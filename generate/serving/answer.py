@@ -111,7 +111,8 @@ class Answer:
         """One streamed chunk for choice ``index``."""
         tokens, logprobs, top = (update.tokens, update.logprobs, update.top) if update else ([], [], [])
         reason = update.finish_reason if update else None
-        lp = self._logprobs(index, tokens, logprobs, top, first) if (tokens or first) else None
+        echoed = first and not self.chat  # (chat's first chunk, its role's, has null logprobs, as OpenAI's)
+        lp = self._logprobs(index, tokens, logprobs, top, first) if tokens or echoed else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta}

@@ -163,6 +163,8 @@ class Endpoints:
         body = await checks.read_json(request, self.settings)
         checks.check_model(self.state, body)
         body = check_fields(body, {"model", "prompt", "messages"})
+        if "messages" in body and "prompt" in body:  # (not one of them quietly)
+            raise oa.APIError("give prompt or messages, not both", param="messages", code="invalid_value")
         if "messages" in body:
             text = oa.render_chat(body["messages"])
         elif isinstance(body.get("prompt"), str):
