@@ -182,6 +182,9 @@ def test_the_command_prints_the_figures_and_json_has_everything(pair, tmp_path, 
     assert lines[1] == f"mean NLL    {expected.mean_nll:.4f} nats/token"
     assert lines[2] == f"perplexity  {expected.perplexity:.2f}"
     assert lines[3].startswith(f"windows     {WINDOW} tokens, stride 20; ")
+    (tmp_path / "short.txt").write_text(TEXT[:40], encoding="utf-8")  # (one window, shorter than a stride)
+    code, out, err = run([tmp_path / "short.txt", "-c", directory, "--stride", "20"], capsys, monkeypatch)
+    assert code == 0 and out.splitlines()[3].startswith("windows     one, the whole text; ")
     code, out, err = run(["-", "-c", directory, "--stride", "20", "--json"], capsys, monkeypatch,
                          stdin=TEXT.encode())  # fmt: skip
     record = json.loads(out)

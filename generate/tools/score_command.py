@@ -82,11 +82,13 @@ def _score(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             record["perplexity"] = None  # past a float's range (mean NLL > 709); JSON has no infinity
         sys.stdout.write(json.dumps(record) + "\n")
         return
+    whole = score.window == score.tokens + 1  # (one window: the text fits it; no stride)
+    windows = "one, the whole text" if whole else f"{score.window} tokens, stride {score.stride}"
     sys.stdout.write(
         f"tokens      {score.tokens:,}\n"
         f"mean NLL    {score.mean_nll:.4f} nats/token\n"
         f"perplexity  {score.perplexity:.2f}\n"
-        f"windows     {score.window} tokens, stride {score.stride}; {seconds:.1f} s "
+        f"windows     {windows}; {seconds:.1f} s "
         f"({score.tokens / seconds:,.0f} tokens/s)\n"
     )
 
