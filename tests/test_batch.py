@@ -155,6 +155,7 @@ def test_the_command_runs_the_file_and_says_what_it_wrote(ckpt, gen, tmp_path, c
      (("in.jsonl", "out.jsonl"), ["--seed", "-1"], 2, r"seed=-1 is out of range"),
      (("in.jsonl", "out.jsonl"), ["-n", "-1"], 2, r"max_new_tokens must be an integer >= 0, got -1"),
      (("bad.jsonl", "out.jsonl"), [], 1, r"bad\.jsonl line 2 is not JSON"),
+     (("array.json", "out.json"), [], 1, r"line 1 is not a JSON object but an array; the input is JSON L"),
      (("huge.jsonl", "out.jsonl"), [], 1, r"huge\.jsonl line 1: 1e400 is not a finite number \(JSON has no"),
      (("nan.jsonl", "out.jsonl"), [], 1, r"nan\.jsonl line 1: NaN is not a finite number"),
      (("missing.jsonl", "out.jsonl"), [], 1, r"No such file or directory")],
@@ -164,6 +165,7 @@ def test_command_errors_are_one_line_and_write_nothing(ckpt, tmp_path, capsys, f
     write_jsonl(tmp_path / "noprompt.jsonl", [{"text": "a clash and no prompt"}])
     (tmp_path / "in.txt").write_text("{}\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    (tmp_path / "array.json").write_text('[{"prompt": "a"}, {"prompt": "b"}]\n')
     (tmp_path / "huge.jsonl").write_text('{"prompt": "a", "seed": 1e400}\n')  # (Python reads inf)
     (tmp_path / "nan.jsonl").write_text('{"prompt": "a", "temperature": NaN}\n')
     before = sorted(p.name for p in tmp_path.iterdir())

@@ -151,7 +151,10 @@ def read_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except ValueError as e:  # (from _finite)
             raise ValueError(f"input {path} line {number}: {e}") from None
         if not isinstance(row, dict):
-            raise ValueError(f"input {path} line {number} is not a JSON object")
+            kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+            got = kinds.get(type(row), "a number")
+            raise ValueError(f"input {path} line {number} is not a JSON object but {got}; the input is JSON "
+                             "Lines: one object a line")  # fmt: skip
         rows.append(row)
     for number, row in enumerate(rows, 1):
         check_columns(list(row), f"input {path} row {number}")
