@@ -30,10 +30,9 @@ class KVCache:
 
     @classmethod
     def over(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
-        """A cache over existing per-layer buffers (no copy), e.g. a traced step's inputs; lengths are 0."""
+        """A cache over existing per-layer buffers of whole chunks (no copy), e.g. a traced step's inputs."""
         cache = cls.__new__(cls)
-        cache.k, cache.v = list(k), list(v)
-        cache.slots, cache.max_len = k[0].shape[0], k[0].shape[2]  # (whole chunks: a traced step's)
+        cache.k, cache.v, cache.slots, cache.max_len = list(k), list(v), k[0].shape[0], k[0].shape[2]
         cache.lengths = [0] * cache.slots
         return cache
 

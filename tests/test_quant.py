@@ -5,6 +5,7 @@ import torch
 
 from generate import SamplingParams, generate_ids
 from helpers import TINY_CONFIGS, cached_logits, make_model
+from model import int4
 from model.quant import Int8Linear, Int8TiedEmbedding, quantize_int8, quantize_rows
 
 
@@ -24,6 +25,20 @@ def test_quantized_model_structure(tiny_config):
     assert model.compute_dtype == torch.bfloat16
     kept = quantize_int8(make_model(tiny_config), include_head=False)
     assert not isinstance(kept.wte, Int8TiedEmbedding) and kept.wte.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda m: int4.quantize_int4(m, 32)])
+@pytest.mark.parametrize("convert", [lambda m: m.float(), lambda m: m.to(torch.float16), lambda m: m.half()])
+def test_a_quantized_model_refuses_another_dtype_and_stays_as_it_was(quantize, convert):
+    model = quantize(make_model(TINY_CONFIGS["2x2x32"]))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        before = model(ids)
+    with pytest.raises(ValueError, match=r"^a quantized model computes in bf16, it cannot be "
+                       r"converted to torch\.float(16|32); load its checkpoint in that"):  # fmt: skip
+        convert(model)  # (it failed at the next forward: "expected scalar type BFloat16 but found Float")
+    with torch.inference_mode():
+        assert torch.equal(model.to("cpu")(ids), before)  # (a move keeping the dtype is no conversion)
 
 
 def test_int8_cached_decoding_tracks_its_own_full_forward():
