@@ -22,8 +22,11 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 import checkpoints
 import generate.engine.compiled as compiled
 import generate.engine.store as store
+from generate.api import Generator
 from generate.engine.engine import Engine
+from generate.engine.request import Request
 from generate.engine.runner import Runner
+from generate.engine.sampling import SamplingParams
 from helpers import (
     FP32_TOL,
     INT4_CONFIG,
@@ -130,6 +133,19 @@ def test_a_lone_unquantized_step_is_given_the_models_own_weights_not_a_copy(text
     assert "model.h.0.mlp.c_fc.weight" in names.values()
     start, end = store.constants_span(library)
     assert end - start <= 8  # (no weights inside: the library's section of them is empty)
+    # A call beside a busy kept engine of a Generator gets an engine of its own: the same library, loaded.
+    gen = Generator(model, compile=True)
+    kept = gen.engine(1, CONFIG.n_positions)
+    requests = [Request([3, 1, 4], SamplingParams(temperature=0), 6, eos_id=None) for _ in range(2)]
+    kept.add(requests[0])
+    kept.step()
+    other = gen.engine(1, CONFIG.n_positions)
+    assert other is not kept and gen._engine is kept
+    other.add(requests[1])
+    for engine in (other, kept):
+        while engine.has_work:
+            engine.step()
+    assert requests[0].token_ids == requests[1].token_ids and len(list(library.parent.glob("*.so"))) == 1
     model.h[0].mlp.c_fc.weight.data = model.h[0].mlp.c_fc.weight.data.clone()  # (as model.to() does)
     with pytest.raises(RuntimeError, match="the model's weights moved"):
         step()
