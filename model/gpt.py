@@ -96,7 +96,7 @@ class GPT(nn.Module):
             block.attn.mask = mask
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> GPT:
-        to = fn(torch.empty(0, dtype=self.compute_dtype, device=self.device)).dtype  # (quantized: no Linear)
+        to = fn(torch.empty(0, dtype=self.compute_dtype)).dtype  # (a quantized model's layers: no nn.Linear)
         if not isinstance(self.h[0].mlp.c_fc, nn.Linear) and to not in (self.compute_dtype, torch.bfloat16):
             raise ValueError(f"a quantized model computes in bf16, it cannot be converted to {to}; load its "
                              "checkpoint in that dtype (checkpoints.load(dtype=...))")  # fmt: skip
