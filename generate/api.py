@@ -14,7 +14,7 @@ import tiktoken
 import torch
 
 import checkpoints
-from generate.engine.engine import Engine, GenerationError, raise_errors
+from generate.engine.engine import NOT_FINITE_ADVICE, Engine, GenerationError, raise_errors
 from generate.engine.memory import check_engine_memory, said_plainly
 from generate.engine.request import Request, make_requests
 from generate.engine.sampling import SamplingParams
@@ -424,10 +424,8 @@ class Generator:
 def check_attention(weights: torch.Tensor, dtype: torch.dtype, where: str = "") -> None:
     """Raise :class:`GenerationError` if attention ``weights`` hold NaN or infinity (``where``: the layer)."""
     if not torch.isfinite(weights).all():
-        raise GenerationError(
-            f"the model produced NaN or infinite attention weights{where} (dtype {dtype}); the checkpoint "
-            "may be corrupt, or float16 overflowed (try dtype='float32' or 'bfloat16')"
-        )
+        raise GenerationError(f"the model produced NaN or infinite attention weights{where} (dtype {dtype}); "
+                              f"{NOT_FINITE_ADVICE}")  # fmt: skip
 
 
 def load(

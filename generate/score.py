@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from generate.engine.engine import GenerationError
+from generate.engine.engine import NOT_FINITE_ADVICE, GenerationError
 from generate.engine.memory import said_plainly
 from model import GPT
 
@@ -160,8 +160,7 @@ def _score_ids(
             if not math.isfinite(logits.sum()) and not torch.isfinite(logits).all():  # (finite sum: all are)
                 raise GenerationError(
                     f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring tokens "
-                    f"{done + start + 1}..{done + start + len(logits)}; the checkpoint may be corrupt, or "
-                    "float16 overflowed (try dtype='float32' or 'bfloat16')"
+                    f"{done + start + 1}..{done + start + len(logits)}; {NOT_FINITE_ADVICE}"
                 )
             # (cross_entropy's fused log-softmax: a third faster here than gather minus logsumexp)
             nll = F.cross_entropy(logits, targets[start : start + HEAD_ROWS], reduction="none")

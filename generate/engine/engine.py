@@ -33,6 +33,7 @@ def raise_errors(requests: list[Request]) -> None:
 # Prompt positions a step prefills at most beside other slots, cut at multiples: a prompt's bits are its own.
 PREFILL_CHUNK = 32
 OUT_OF_MEMORY_ADVICE = "run fewer requests at once, fewer new tokens, a shorter prompt or a smaller dtype"
+NOT_FINITE_ADVICE = "the checkpoint may be corrupt, or float16 overflowed (try dtype='float32' or 'bfloat16')"
 
 
 class Engine:
@@ -211,8 +212,7 @@ class Engine:
         """The slot's next token from its ``row`` of logits (recorded), or None where its request failed."""
         request = self.running[slot]
         if not finite and not torch.isfinite(row).all():
-            self._fail(slot, "the model produced NaN or infinite logits; the checkpoint may be corrupt, "
-                       "or float16 overflowed (try dtype='float32' or 'bfloat16')")  # fmt: skip
+            self._fail(slot, f"the model produced NaN or infinite logits; {NOT_FINITE_ADVICE}")
             return None
         seed, (seen, counts) = request.drawn_seed, self._state[request]
         u = 0.0 if request.sampling.greedy else uniform(seed, len(request.prompt) + len(request.token_ids))

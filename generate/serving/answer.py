@@ -8,7 +8,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 from generate.api import Generator
-from generate.engine.engine import GenerationError
+from generate.engine.engine import NOT_FINITE_ADVICE, GenerationError
 from generate.engine.request import Request
 from generate.serving import openai_api as oa
 from generate.serving.engine_loop import SHUTDOWN, EngineLoop, Update
@@ -176,11 +176,9 @@ class PromptScorer:
             logits = self.model(ids, positions=positions, cache=self.cache, span=end)[0].float()
             logits = logits[:, : self.vocab]  # (a padded vocabulary's ids beyond the tokenizer's: none)
             if not torch.isfinite(logits).all():  # (as in a generating step; JSON has no NaN)
-                raise GenerationError(
-                    f"the model produced NaN or infinite logits (dtype {model.compute_dtype}) scoring the "
-                    "prompt for echo; the checkpoint may be corrupt, or float16 overflowed (try "
-                    "dtype='float32' or 'bfloat16')"
-                )
+                dtype = model.compute_dtype
+                raise GenerationError(f"the model produced NaN or infinite logits (dtype {dtype}) scoring "
+                                      f"the prompt for echo; {NOT_FINITE_ADVICE}")  # fmt: skip
             chosen = torch.tensor(self.prompt[start + 1 : end + 1], device=device)[:, None]
             log_probs = torch.log_softmax(logits, dim=-1)
             self.logprobs += log_probs.gather(-1, chosen)[:, 0].tolist()
