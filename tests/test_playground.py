@@ -303,6 +303,26 @@ def test_a_failed_attention_request_clears_what_another_token_showed(page, serve
     assert page.locator("#attention-error").is_hidden() and page.locator(".strip").count() == 8 * 4
 
 
+def test_a_stream_the_network_breaks_says_so_plainly(page):
+    # The answer's body fails after its headers, as when the server is killed mid-stream: fetch's reader
+    # throws a TypeError, "network error", which the page showed as it was.
+    page.evaluate(
+        """() => {
+        const real = window.fetch;
+        window.fetch = async (path, init) => {
+            const answer = await real(path, init);
+            if (path !== "/v1/completions") return answer;
+            const body = new ReadableStream({ start(c) { c.error(new TypeError("network error")); } });
+            return new Response(body, { status: answer.status, headers: answer.headers });
+        };
+    }"""
+    )
+    run(page, temperature="0", max_tokens="4")
+    error = page.get_by_test_id("error").text_content()
+    assert error == "The server closed the stream before it finished; try again."
+    assert page.get_by_test_id("generate").is_enabled() and page.get_by_test_id("stop").is_disabled()
+
+
 def test_a_seed_past_2_to_the_53_is_sent_as_typed(page, offline):
     seed = 2**53 + 1  # (a JavaScript number is 2**53: another seed, another text)
     run(page, "To be", temperature="1", seed=str(seed), max_tokens="12")

@@ -85,7 +85,10 @@ export async function* stream(path, body, signal) {
   const decoder = new TextDecoder();
   let buffer = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    const { value, done } = await reader.read().catch((e) => {
+      if (e.name === "AbortError") throw e;
+      return { done: true }; // the connection broke (the server was stopped, say): a stream that ended early
+    });
     if (done) break;
     buffer += decoder.decode(value, { stream: true });
     for (let end = buffer.indexOf("\n\n"); end >= 0; end = buffer.indexOf("\n\n")) {
