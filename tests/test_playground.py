@@ -303,6 +303,24 @@ def test_a_failed_attention_request_clears_what_another_token_showed(page, serve
     assert page.locator("#attention-error").is_hidden() and page.locator(".strip").count() == 8 * 4
 
 
+def test_a_head_chosen_from_the_keyboard_keeps_the_focus(page):
+    run(page, temperature="0", max_tokens="4")
+    token = page.locator('[data-testid=token][data-index="2"]')
+    token.focus()
+    token.press("Enter")
+    page.wait_for_selector("[data-testid=attention-cell]")
+    page.locator('.strip[data-layer="1"][data-head="2"]').focus()
+    page.keyboard.press("Enter")
+    first = "document.querySelector('[data-testid=attention-cell]').dataset"
+    page.wait_for_function(f"() => {first}.layer === '1' && {first}.head === '2'")
+    focused = "(a => `${a.dataset.layer}/${a.dataset.head}`)(document.activeElement)"
+    assert page.evaluate(focused) == "1/2"  # (it was the page's body: the strips were drawn anew)
+    assert page.locator(".strip[aria-pressed=true]").count() == 1
+    assert page.locator('.strip[data-layer="1"][data-head="2"]').get_attribute("aria-pressed") == "true"
+    page.keyboard.press("Tab")  # on to the next head
+    assert page.evaluate(focused) == "1/3"
+
+
 def test_a_stream_the_network_breaks_says_so_plainly(page):
     # The answer's body fails after its headers, as when the server is killed mid-stream: fetch's reader
     # throws a TypeError, "network error", which the page showed as it was.

@@ -97,7 +97,10 @@ export class AttentionView {
     Object.assign(this, { layer, head });
     this.error.hidden = true;
     this.fillSelects(this.row.layers.length, this.row.heads.length);
-    this.drawStrips();
+    for (const button of this.strips.querySelectorAll(".strip")) { // (not drawn anew: one may have the focus)
+      button.setAttribute("aria-pressed", String(button.dataset.layer === String(layer) &&
+        button.dataset.head === String(head)));
+    }
     this.drawEnlarged();
     this.controller?.abort();
     this.controller = new AbortController();
