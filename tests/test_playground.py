@@ -321,6 +321,16 @@ def test_a_head_chosen_from_the_keyboard_keeps_the_focus(page):
     assert page.evaluate(focused) == "1/3"
 
 
+def test_the_query_line_says_a_prompt_token_was_given_not_chosen(page):
+    run(page, temperature="0", max_tokens="3")
+    select(page, 2)  # ",": the prompt gives the next token, " or"
+    line = page.locator("#query-line").text_content()
+    assert "3 ␣or" in line and "prompt" in line and "chose" not in line
+    select(page, 6)  # the prompt's last token: its output chose the first generated token
+    chose = "The model's output at this position chose the next token, 7 "
+    assert page.locator("#query-line").text_content().startswith(chose)
+
+
 def test_a_stream_the_network_breaks_says_so_plainly(page):
     # The answer's body fails after its headers, as when the server is killed mid-stream: fetch's reader
     # throws a TypeError, "network error", which the page showed as it was.

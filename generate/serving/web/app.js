@@ -121,7 +121,8 @@ function setRunning(on) {
 }
 
 async function select(index) {
-  await view.show(ids.slice(0, transcript.tokens.length), index);
+  const given = transcript.tokens.length - transcript.generated.length; // (the prompt's tokens)
+  await view.show(ids.slice(0, transcript.tokens.length), index, given);
   $("attention").scrollIntoView({ block: "nearest", behavior: "smooth" });
 }
 

@@ -42,8 +42,8 @@ export class AttentionView {
     this.ids = null;
   }
 
-  /** Show token `index` of the token ids `ids` (the page's tokens) as the query. */
-  async show(ids, index) {
+  /** Show token `index` of the token ids `ids` (the page's tokens, the first `given` the prompt's) as the query. */
+  async show(ids, index, given) {
     this.controller?.abort();
     const controller = (this.controller = new AbortController());
     if (this.ids === null || this.ids.join() !== ids.join()) this.matrices = new Map();
@@ -53,7 +53,7 @@ export class AttentionView {
     this.root.setAttribute("aria-busy", "true");
     try {
       const row = await call("/v1/attention", { prompt: ids, query: index }, controller.signal);
-      Object.assign(this, { row, q: index, tokens: row.tokens });
+      Object.assign(this, { row, q: index, tokens: row.tokens, given });
       this.fillSelects(row.layers.length, row.heads.length);
       this.drawStrips();
       this.drawEnlarged();
@@ -120,9 +120,11 @@ export class AttentionView {
     const T = this.tokens.length;
     document.getElementById("strips-title").textContent =
       `Token ${q}, “${visible(this.tokens[q])}”, as the query: its weights per layer (rows) and head (columns)`;
-    document.getElementById("query-line").textContent = q + 1 < T
-      ? `The model's output at this position chose the next token, ${this.label(q + 1)}.`
-      : "The last token: the model's output here would choose the next one.";
+    document.getElementById("query-line").textContent = q + 1 >= T
+      ? "The last token: the model's output here would choose the next one."
+      : q + 1 < this.given
+        ? `The next token, ${this.label(q + 1)}, is the prompt's: the model's output here only predicted it.`
+        : `The model's output at this position chose the next token, ${this.label(q + 1)}.`;
     const grid = [h("span"), ...row.heads.map((hd) => h("span", { class: "strip-head" }, `head ${hd}`))];
     row.weights.forEach((heads, l) => {
       grid.push(h("span", { class: "strip-layer" }, `layer ${l}`));
