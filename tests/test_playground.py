@@ -299,6 +299,12 @@ def test_a_failed_attention_request_clears_what_another_token_showed(page, serve
         page.select_option("#layer", "2")  # nothing to draw a layer of: still nothing, not "Computing…"
         assert page.locator("[data-testid=attention-cell]").count() == 0
         assert page.locator("#matrix-caption").text_content() == ""
+        page.locator("#mask-toggle").click()  # nor token 3's caption, nor its matrix when the window resizes
+        page.set_viewport_size({"width": 1100, "height": 800})
+        page.wait_for_timeout(400)  # (the page redraws 200 ms after the last resize)
+        assert page.locator("#matrix-caption").text_content() == ""
+        assert page.locator("[data-testid=attention-cell]").count() == 0
+        page.locator("#mask-toggle").click()
     select(page, 6)
     assert page.locator("#attention-error").is_hidden() and page.locator(".strip").count() == 8 * 4
 

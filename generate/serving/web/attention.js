@@ -24,16 +24,21 @@ export class AttentionView {
       const on = this.maskToggle.getAttribute("aria-pressed") !== "true";
       this.maskToggle.setAttribute("aria-pressed", String(on));
       this.box.classList.toggle("mask-mode", on);
-      this.describeMatrix();
+      if (this.drawn) this.describeMatrix();
     });
     this.box.addEventListener("mouseover", (e) => this.hoverCell(e.target.closest(".cell")));
     this.box.addEventListener("mouseleave", () => tip.hide());
     let resized = null; // the matrix fits the window again once it stops changing size
     window.addEventListener("resize", () => {
       clearTimeout(resized);
-      resized = setTimeout(() => this.matrices && !this.root.hidden && this.drawMatrix(), 200);
+      resized = setTimeout(() => this.drawn && !this.root.hidden && this.drawMatrix(), 200);
     });
     this.hide();
+  }
+
+  /** Whether the box shows the chosen head's matrix (not after a failure, nor while it is computed). */
+  get drawn() {
+    return this.box.childElementCount > 0 && this.matrices.has(`${this.layer}/${this.head}`);
   }
 
   hide() {
