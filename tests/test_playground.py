@@ -376,6 +376,32 @@ def test_the_page_fits_a_phone(browser, server):
     context.close()
 
 
+def test_a_tap_shows_the_tip_on_a_phone(browser, server):
+    """A touch has no hover: a tapped token keeps its tip (its probability, the alternatives), a tapped cell
+    its weight, through a scroll, until a tap elsewhere (they were hidden as the tap ended)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    run(page, temperature="0", max_tokens="6")
+    tip = page.locator("#tip")
+    page.locator('[data-testid=token][data-index="8"]').tap()  # (the page scrolls down to the attention)
+    page.wait_for_selector("[data-testid=attention-cell]")
+    page.wait_for_timeout(1000)  # (the smooth scroll's end)
+    assert tip.is_visible() and "token 8 · generated" in tip.text_content() and "p = " in tip.text_content()
+    scrolled, cdp = page.evaluate("window.scrollY"), context.new_cdp_session(page)
+    for kind, y in [("touchStart", 300), *(("touchMove", y) for y in range(320, 700, 20)), ("touchEnd", 0)]:
+        cdp.send("Input.dispatchTouchEvent", {"type": kind, "touchPoints": [{"x": 200, "y": y}] * (y > 0)})
+    until(lambda: page.evaluate("window.scrollY") < scrolled - 200)  # a finger scrolled back up
+    assert tip.is_visible()
+    page.locator('[data-testid=attention-cell][data-query="8"][data-key="2"]').tap()
+    page.wait_for_timeout(300)
+    assert tip.is_visible() and "query 8, key 2 · layer 0, head 0" in tip.text_content()
+    page.locator("h1").tap()
+    page.wait_for_timeout(300)
+    assert tip.is_hidden()
+    context.close()
+
+
 def attention(server, body: object) -> httpx.Response:
     return httpx.post(server.url + "/v1/attention", content=json.dumps(body).encode(), timeout=60)
 

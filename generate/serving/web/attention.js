@@ -27,7 +27,7 @@ export class AttentionView {
       if (this.drawn) this.describeMatrix();
     });
     this.box.addEventListener("mouseover", (e) => this.hoverCell(e.target.closest(".cell")));
-    this.box.addEventListener("mouseleave", () => tip.hide());
+    tip.hideOnLeave(this.box);
     let resized = null; // the matrix fits the window again once it stops changing size
     window.addEventListener("resize", () => {
       clearTimeout(resized);
@@ -229,7 +229,8 @@ export class AttentionView {
       const r = canvas.getBoundingClientRect();
       const k = Math.floor(((e.clientX - r.left) / r.width) * T);
       const q = Math.floor(((e.clientY - r.top) / r.height) * T);
-      const at = { getBoundingClientRect: () => new DOMRect(e.clientX, e.clientY + 8, 1, 1) };
+      const at = { getBoundingClientRect: () => new DOMRect(e.clientX, e.clientY + 8, 1, 1),
+        contains: (node) => node === canvas };
       if (q >= 0 && q < T && k >= 0 && k < T) this.tip.show(at, ...this.describe(q, k, m[q][k]));
     });
     return canvas;

@@ -38,13 +38,23 @@ export function h(tag, attributes = {}, ...children) {
   return el;
 }
 
-/** The one floating tip of the page, placed under (or above) what it describes. */
+/** The one floating tip of the page, placed under (or above) what it describes. A touch has no hover: a tapped
+ * thing's tip stays until a click or tap elsewhere (the tap's own mouse events leave it as soon as it ends, and
+ * a scroll is no click). */
 export class Tip {
   constructor(el) {
     this.el = el;
+    this.anchor = null; // what it describes: an element, or something with getBoundingClientRect and contains
+    document.addEventListener("click", (e) => this.anchor?.contains(e.target) || this.hide());
+  }
+
+  /** Hide the tip when a mouse or pen leaves `region`. */
+  hideOnLeave(region) {
+    region.addEventListener("pointerleave", (e) => e.pointerType !== "touch" && this.hide());
   }
 
   show(anchor, ...content) {
+    this.anchor = anchor;
     this.el.replaceChildren(...content);
     this.el.hidden = false;
     const a = anchor.getBoundingClientRect();
@@ -57,6 +67,7 @@ export class Tip {
   }
 
   hide() {
+    this.anchor = null;
     this.el.hidden = true;
   }
 }
@@ -66,9 +77,9 @@ export class Transcript {
   constructor(root, promptEl, outputEl, tip, onSelect) {
     Object.assign(this, { root, promptEl, outputEl, tip, onSelect });
     root.addEventListener("mouseover", (e) => this.hover(e.target.closest(".tok")));
-    root.addEventListener("mouseleave", () => tip.hide());
+    tip.hideOnLeave(root);
     root.addEventListener("focusin", (e) => this.hover(e.target.closest(".tok")));
-    root.addEventListener("focusout", () => tip.hide());
+    root.addEventListener("focusout", (e) => tip.anchor === e.target && tip.hide()); // (not a cell's tip)
     root.addEventListener("click", (e) => {
       const el = e.target.closest(".tok");
       if (el) this.select(Number(el.dataset.index));
