@@ -477,10 +477,32 @@ def test_attention_requests_waiting_for_a_turn_count_in_the_completions_queue():
         loop.submit([Request([1], max_new_tokens=1) for _ in range(count)])
 
     with pytest.raises(QueueFull, match=r"\(0 requests waiting for 1 slots and 3 attention requests for a"):
-        asyncio.run(submit(2))
-    asyncio.run(submit(1))  # the fourth
+        asyncio.run(submit(3))  # (one for the free slot)
+    asyncio.run(submit(2))  # the free slot's, and the fourth waiting
     with pytest.raises(QueueFull, match=r"\(1 requests waiting for a slot and 3 attention requests for a"):
         loop.admit()
+
+
+def test_requests_that_free_slots_take_at_the_next_step_are_not_waiting_in_the_queue():
+    """A burst at an idle server: the requests the free slots will take do not count against --max-queue
+    (they counted, so 9 requests at once to 2 free slots and a queue of 4 had 5 refused, not 3)."""
+    from generate.engine.engine import Engine
+    from generate.engine.request import Request
+    from generate.serving.engine_loop import EngineLoop, QueueFull
+    from helpers import make_model
+    from model import GPTConfig
+
+    model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32))
+    loop = EngineLoop(Engine(model, slots=2), max_queue=1)
+
+    async def submit() -> None:
+        loop.submit([Request([1], max_new_tokens=1)])
+
+    for _ in range(3):  # two for the free slots, one waits
+        asyncio.run(submit())
+    with pytest.raises(QueueFull, match=r"\(1 requests waiting for 2 slots and 0 attention requests for a"):
+        asyncio.run(submit())
+    assert loop.queued == 3 and loop.waiting() == 1
 
 
 def test_a_client_that_leaves_a_request_that_is_not_streamed_frees_its_slots(server):

@@ -121,6 +121,11 @@ class EngineLoop:
         """Slots running a request."""
         return len(self.engine.running)
 
+    def waiting(self, more: int = 0) -> int:
+        """Requests that wait for a slot once ``more`` join the queued ones: those the free slots take at the
+        next step do not (a burst at an idle server is not a full queue)."""
+        return max(0, self.queued + more - (self.engine.slots - self.busy))
+
     def submit(self, requests: list[Request]) -> asyncio.Queue:
         """Queue an HTTP request's engine requests; their updates arrive on the returned queue.
 
@@ -139,9 +144,9 @@ class EngineLoop:
                     f"the request asks for {len(requests)} completions (prompts x n) but the server queues "
                     f"at most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
                 )
-            if self.queued + self.turns_waiting + len(requests) > self.max_queue:
+            if self.waiting(len(requests)) + self.turns_waiting > self.max_queue:
                 raise QueueFull(
-                    f"the server's queue is full ({self.queued} requests waiting for {self.engine.slots} "
+                    f"the server's queue is full ({self.waiting()} requests waiting for {self.engine.slots} "
                     f"slots and {self.turns_waiting} attention requests for a turn, limit {self.max_queue}); "
                     "retry later"
                 )
@@ -166,9 +171,9 @@ class EngineLoop:
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise Stopping(SHUTDOWN)
-            if self.queued + self.turns_waiting >= self.max_queue:
+            if self.waiting() + self.turns_waiting >= self.max_queue:
                 raise QueueFull(
-                    f"the server's queue is full ({self.queued} requests waiting for a slot and "
+                    f"the server's queue is full ({self.waiting()} requests waiting for a slot and "
                     f"{self.turns_waiting} attention requests for a turn, limit {self.max_queue}); retry "
                     "later"
                 )
