@@ -749,6 +749,29 @@ def test_a_connection_trickling_its_headers_is_closed_at_the_header_timeout(smal
     assert httpx.get(small_server.url + "/health").status_code == 200  # others are served as before
 
 
+def test_a_kept_alive_connection_has_the_header_timeout_for_its_next_request(server):
+    # --header-timeout is 10 s: a connection idle 6 s after its answer still takes a request (uvicorn's own
+    # keep-alive timeout, 5 s, closed it first; a load balancer keeping connections longer then got errors).
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(server.url)
+    ask = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def answer(sock: socket.socket) -> bytes:
+        got = b""
+        while not got.endswith(b"}") and (more := sock.recv(4096)):
+            got += more
+        return got
+
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(ask)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        sock.sendall(ask)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_a_body_trickling_in_gets_408_at_the_body_timeout(small_server):
     import socket
     from urllib.parse import urlparse

@@ -272,6 +272,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, name: str, uvicorn: An
         timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_MARGIN,
         log_config=None,
         http=_header_deadline_protocol(args.header_timeout),
+        timeout_keep_alive=args.header_timeout,  # (uvicorn's own, 5 s, would close idle connections first)
     )
     server = uvicorn.Server(config)  # (outside the main thread it leaves signals alone)
 
