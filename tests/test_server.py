@@ -628,7 +628,8 @@ def test_malformed_json_a_huge_body_and_unknown_routes(server):
     assert huge.status_code == 413 and "exceeds" in huge.json()["error"]["message"]
     missing = httpx.get(server.url + "/v1/nothing")
     assert missing.status_code == 404 and "error" in missing.json()
-    assert httpx.get(server.url + "/v1/completions").status_code == 405
+    wrong = httpx.get(server.url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"  # (HTTP requires Allow with a 405)
     # ... and the server still answers
     assert _post(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
 

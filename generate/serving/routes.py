@@ -219,6 +219,7 @@ class Endpoints:
                     f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code
                 ).body(),
                 status_code=exc.status_code,
+                headers=exc.headers,  # (a 405's Allow)
             )
         log.exception("unexpected error")
         return JSONResponse(
