@@ -669,6 +669,9 @@ def test_a_full_queue_answers_429_at_once_and_the_key_is_required(small_server):
     assert httpx.post(url, json={"prompt": "x"}).status_code == 401
     assert httpx.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert httpx.get(small_server.url + "/health").status_code == 200  # health needs no key
+    for scheme in ("bearer", "BEARER"):  # (a scheme's case does not matter in HTTP)
+        models = httpx.get(small_server.url + "/v1/models", headers={"Authorization": f"{scheme} sesame"})
+        assert models.status_code == 200
     body = {"prompt": "x", "max_tokens": 1000, "stream": True, "temperature": 0}
     with httpx.stream("POST", url, json=body, headers=key) as running:
         assert running.status_code == 200

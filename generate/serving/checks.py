@@ -20,8 +20,9 @@ def check_auth(state: State, request: HTTPRequest) -> None:
     key = state.settings.api_key
     if key is None:
         return
-    given = request.headers.get("authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    # (the scheme's case does not matter in HTTP: curl users write "bearer")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
         raise oa.APIError(
             "missing or wrong API key; send Authorization: Bearer <key>", status=401, code="invalid_api_key"
         )
