@@ -534,6 +534,20 @@ def test_a_client_that_drops_mid_stream_frees_its_slot_and_is_logged_as_gone(ser
     assert server.count("POST /v1/completions 499", left + 1) == left + 1
 
 
+def test_a_client_that_leaves_while_sending_its_body_is_logged_as_gone_not_as_a_traceback(server):
+    import socket
+    from urllib.parse import urlparse
+
+    address = urlparse(server.url)
+    seen, left = len(server.lines), server.count("POST /v1/completions 499")
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(head + b'{"prompt": ')  # 11 bytes of 100, then it goes
+        time.sleep(0.5)
+    assert server.count("POST /v1/completions 499", left + 1) == left + 1
+    assert "Traceback" not in "".join(server.lines[seen:])
+
+
 def _post(server, body: object, path: str = "/v1/completions", **kwargs) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(

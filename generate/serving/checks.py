@@ -7,6 +7,7 @@ import hmac
 import json
 from collections.abc import Callable
 
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from generate.api import Generator
@@ -30,7 +31,8 @@ def check_auth(state: State, request: HTTPRequest) -> None:
 
 async def read_json(request: HTTPRequest, settings: Settings) -> object:
     """The request's body as JSON: 413 past ``settings.max_body`` bytes, 408 when it does not arrive within
-    ``settings.body_timeout`` seconds, 400 when it is not JSON."""
+    ``settings.body_timeout`` seconds, 400 when it is not JSON, 499 when the client leaves while sending
+    it."""
     limit, length = settings.max_body, request.headers.get("content-length")
     too_big = oa.APIError(
         f"the request body exceeds {limit:,} bytes; send a smaller request", status=413, code="body_too_large"
@@ -56,6 +58,8 @@ async def read_json(request: HTTPRequest, settings: Settings) -> object:
             status=408,
             code="body_timeout",
         ) from None
+    except ClientDisconnect:  # (no one to answer: logged as gone, as a stream whose client left)
+        raise oa.APIError("the client went away", status=499, code="cancelled") from None
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:
