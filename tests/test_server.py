@@ -876,6 +876,17 @@ def test_a_signal_ends_what_runs_past_the_timeout_with_503_and_exits_0(tmp_path)
     assert isinstance(official[-1], openai.APIError) and "shutting down" in str(official[-1]), official[-1:]
 
 
+def test_an_ipv6_host_is_said_as_a_url(tmp_path):
+    # (it said http://::1:PORT, which no client can use)
+    checkpoints.save(make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32)), tmp_path)
+    s = Server("-c", str(tmp_path), "--host", "::1")
+    try:
+        assert s.url.startswith("http://[::1]:"), s.url
+        s.wait_ready()
+    finally:
+        assert s.stop() == 0, "".join(s.lines)
+
+
 def test_a_speculating_server_streams_the_offline_text_and_counts_proposals(tmp_path):
     s = Server("--draft", "ngram", "--max-slots", "2")
     try:

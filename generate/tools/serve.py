@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None, *, playground: bool = False) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint)) or args.checkpoint
-    print(f"{prog}: listening on http://{host}:{port} (model {name!r} loading)", file=sys.stderr, flush=True)
+    print(f"{prog}: listening on {_url(host, port)} (model {name!r} loading)", file=sys.stderr, flush=True)
     if playground:
         _announce(prog, host, port, args.open)
     if args.api_key is None and not _loopback(args.host):
@@ -199,11 +199,16 @@ def main(argv: list[str] | None = None, *, playground: bool = False) -> int:
     return _serve(args, sock, name, uvicorn, prog)
 
 
+def _url(host: str, port: int) -> str:
+    """``http://HOST:PORT``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _announce(prog: str, host: str, port: int, open_it: bool) -> None:
     """Say where the playground is (a wildcard address as this machine's loopback), and open it if asked."""
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1" if host == "0.0.0.0" else "::1"
-    url = f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    url = _url(host, port) + "/"
     print(f"{prog}: the playground is at {url}", file=sys.stderr, flush=True)
     if open_it:
         import webbrowser
