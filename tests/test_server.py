@@ -476,7 +476,7 @@ def test_attention_requests_waiting_for_a_turn_count_in_the_completions_queue():
     async def submit(count: int) -> None:
         loop.submit([Request([1], max_new_tokens=1) for _ in range(count)])
 
-    with pytest.raises(QueueFull, match=r"\(0 requests waiting for 1 slots and 3 attention requests for a"):
+    with pytest.raises(QueueFull, match=r"\(0 requests waiting for 1 slot and 3 attention requests for a"):
         asyncio.run(submit(3))  # (one for the free slot)
     asyncio.run(submit(2))  # the free slot's, and the fourth waiting
     with pytest.raises(QueueFull, match=r"\(1 requests waiting for a slot and 3 attention requests for a"):

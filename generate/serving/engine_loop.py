@@ -147,8 +147,8 @@ class EngineLoop:
             if self.waiting(len(requests)) + self.turns_waiting > self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({self.waiting()} requests waiting for {self.engine.slots} "
-                    f"slots and {self.turns_waiting} attention requests for a turn, limit {self.max_queue}); "
-                    "retry later"
+                    f"slot{'s' * (self.engine.slots != 1)} and {self.turns_waiting} attention requests for a "
+                    f"turn, limit {self.max_queue}); retry later"
                 )
             self._incoming += [(r, _Sink(queue, loop, i)) for i, r in enumerate(requests)]
             self._lock.notify()

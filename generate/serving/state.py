@@ -42,9 +42,8 @@ class State:
         """Serve ``gen`` through ``engine`` from now on; returns the loop for the engine's thread to run."""
         self.gen, self.loop = gen, EngineLoop(engine, self.settings.max_queue)
         self.status = "ok"
-        log.info(
-            "ready: %s, %d slots, queue of %d", self.settings.model_name, engine.slots, self.loop.max_queue
-        )
+        slots = f"{engine.slots} slot{'s' * (engine.slots != 1)}"
+        log.info("ready: %s, %s, queue of %d", self.settings.model_name, slots, self.loop.max_queue)
         return self.loop
 
     def ready(self) -> tuple[Generator, EngineLoop]:
