@@ -815,10 +815,14 @@ def test_a_body_trickling_in_gets_408_at_the_body_timeout(small_server):
 
 def test_too_many_completions_for_the_queue_get_400_at_once(small_server):
     url, key = small_server.url + "/v1/completions", {"Authorization": "Bearer sesame"}
-    answer = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 1}, headers=key)  # queue of 1
+    three = {"prompt": ["a", "b", "c"], "max_tokens": 1}  # (a slot and a queue of 1 take 2)
+    answer = httpx.post(url, json=three, headers=key)
     assert answer.status_code == 400
     error = answer.json()["error"]
-    assert error["code"] == "too_many_completions" and "at most 1 (--max-queue)" in error["message"]
+    assert error["code"] == "too_many_completions"
+    assert "takes at most 2 at once (1 in its slots" in error["message"]
+    answer = httpx.post(url, json={"prompt": ["a", "b"], "max_tokens": 1}, headers=key)  # (the slot takes 1)
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 2
 
 
 def _sse(url: str, body: dict, out: list) -> None:

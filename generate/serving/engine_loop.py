@@ -139,10 +139,11 @@ class EngineLoop:
         with self._lock:
             if self._closed or self._deadline is not None:
                 raise Stopping(SHUTDOWN)
-            if len(requests) > self.max_queue:
+            if len(requests) > self.engine.slots + self.max_queue:  # (the free slots take some at once)
                 raise TooLarge(
-                    f"the request asks for {len(requests)} completions (prompts x n) but the server queues "
-                    f"at most {self.max_queue} (--max-queue); send fewer prompts or a smaller n"
+                    f"the request asks for {len(requests)} completions (prompts x n) but the server takes at "
+                    f"most {self.engine.slots + self.max_queue} at once ({self.engine.slots} in its slots, "
+                    f"--max-slots, {self.max_queue} queued, --max-queue); send fewer prompts or a smaller n"
                 )
             if self.waiting(len(requests)) + self.turns_waiting > self.max_queue:
                 raise QueueFull(
