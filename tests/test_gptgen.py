@@ -114,7 +114,7 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
         (["--max-slots", "0"], "--max-slots must be in 1..4096, got 0"),
         (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--api-key", " "], "--api-key is empty; give a key, or leave it out"),
+        (["--api-key", " "], "the API key (--api-key or $GPTGEN_API_KEY) is empty; give a key, or leave"),
         (["--api-key", "abc "], "the API key (--api-key or $GPTGEN_API_KEY) begins or ends with whitespace"),
         (["--api-key", "s\u00e9same"], "holds 'é', U+00E9; use ASCII letters, digits, punctuation"),
         (["--api-key", "a\tb"], "holds '\\t', U+0009; use ASCII"),

@@ -115,9 +115,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--body-timeout must be in 0.1..3600 seconds, got {args.body_timeout}")
     if not 0 <= args.shutdown_timeout <= 3600:
         parser.error(f"--shutdown-timeout must be in 0..3600 seconds, got {args.shutdown_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("--api-key is empty; give a key, or leave it out")
     key, source = args.api_key, "the API key (--api-key or $GPTGEN_API_KEY)"  # (never shown)
+    if key is not None and not key.strip():
+        parser.error(f"{source} is empty; give a key, or leave it out (and $GPTGEN_API_KEY unset)")
     if key is not None and key != key.strip():
         parser.error(f"{source} begins or ends with whitespace, which an HTTP header drops; remove it")
     if key is not None and (bad := [c for c in key if not " " <= c <= "~"]):
