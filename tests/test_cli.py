@@ -401,3 +401,19 @@ def test_a_closed_standard_output_is_one_error_line(ckpt):
     assert result.returncode == 1
     line = assert_one_error_line(result.stderr.decode())
     assert line == "generate: error: standard output is closed; redirect it to a file instead"
+
+
+def test_an_output_encoding_without_the_text_s_characters(ckpt, gen):
+    # PYTHONIOENCODING=ascii (or a C locale without UTF-8 mode): JSON escapes what the encoding lacks (the
+    # same JSON); plain text cannot, and the error says how to get it.
+    expected = gen.generate("Hello", max_new_tokens=8, seed=3, **CLI_DEFAULTS)
+    assert not expected.text.isascii()
+    env = command_env({**os.environ, "PYTHONIOENCODING": "ascii"})
+    args = [sys.executable, "-m", "generate", "Hello", "-c", ckpt, "-n", "8", "--seed", "3"]
+    result = subprocess.run([*args, "--json"], capture_output=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    assert json_lines(result.stdout.decode("ascii"))[0]["text"] == expected.text
+    result = subprocess.run(args, capture_output=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode == 1
+    line = assert_one_error_line(result.stderr.decode())
+    assert "standard output's encoding (ascii) cannot write" in line and "PYTHONIOENCODING=utf-8" in line

@@ -33,9 +33,26 @@ class Output:
             # Marked before the write too: a Ctrl-C that lands just after the flush (before the line after
             # it runs) must still end the line it left open.
             self.partial = self.partial or partial
-            sys.stdout.write(text)
+            try:
+                sys.stdout.write(text)
+            except UnicodeEncodeError as e:  # PYTHONIOENCODING=ascii, a C locale without UTF-8 mode
+                raise ValueError(
+                    f"standard output's encoding ({e.encoding}) cannot write {e.object[e.start]!r}; set "
+                    "PYTHONIOENCODING=utf-8, or use --json"
+                ) from None
             sys.stdout.flush()
             self.partial = partial
+
+
+def json_line(record: dict) -> str:
+    """``record`` as one JSON line, its text as is, or escaped (the same JSON) where standard output's
+    encoding lacks a character."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode(getattr(sys.stdout, "encoding", None) or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        line = json.dumps(record)
+    return line + "\n"
 
 
 def check_prompts(gen: Generator, prompts: list[tuple[int | None, str]], prompts_file: str | None) -> None:
@@ -86,6 +103,6 @@ def run_generation(gen: Generator, prompts: list[str], args: argparse.Namespace,
                     record["logprobs"] = completion.logprobs
                 if gen.speculation is not None:
                     record["speculation"] = gen.speculation  # (every call's so far)
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.write(json_line(record))
             else:
                 out.write(completion.text + ("\n\n" if total > 1 else "\n"))
