@@ -107,6 +107,24 @@ def test_generate_prints_what_the_generate_command_prints(capsys):
     assert result.stdout.decode() == expected.out
 
 
+def test_generate_compile_progress_names_the_subcommand(capsys, monkeypatch):
+    import logging
+
+    import generate.api
+
+    logger, real = logging.getLogger("gptgen"), generate.api.load
+    monkeypatch.setattr(logger, "handlers", [])  # the handler main() adds goes with the test
+    monkeypatch.setattr(logger, "level", logger.level)
+
+    def load(*args, **kwargs):  # the progress line a compile logs, without the compile's half minute
+        logger.info("compiling the decode step")
+        return real(*args, **{**kwargs, "compile": False})
+
+    monkeypatch.setattr(generate.api, "load", load)
+    assert gptgen.main(["generate", *GREEDY_ARGS, "--compile"]) == 0
+    assert one_line(capsys.readouterr().err) == "gptgen generate: compiling the decode step"
+
+
 @pytest.mark.parametrize(
     ("args", "mentions"),
     [

@@ -145,7 +145,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Ou
         import logging
 
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("generate: %(message)s"))
+        handler.setFormatter(logging.Formatter(f"{parser.prog}: %(message)s"))
         logging.getLogger("gptgen").addHandler(handler)
         logging.getLogger("gptgen").setLevel(logging.INFO)
     gen = load_generator(args, slots=args.batch_size)
