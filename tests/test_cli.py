@@ -417,3 +417,23 @@ def test_an_output_encoding_without_the_text_s_characters(ckpt, gen):
     assert result.returncode == 1
     line = assert_one_error_line(result.stderr.decode())
     assert "standard output's encoding (ascii) cannot write" in line and "PYTHONIOENCODING=utf-8" in line
+
+
+def test_an_error_with_standard_error_closed_is_not_written_to_standard_output(tmp_path):
+    # `generate x -c missing 2>&-`: the error has nowhere to go, and is not taken for a completion.
+    code = "import os, subprocess, sys; os.close(2); sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    missing = str(tmp_path / "missing")
+    command = [sys.executable, "-c", code, sys.executable, "-m", "generate", "x", "-c", missing]
+    result = subprocess.run(command, stdout=subprocess.PIPE, cwd=ROOT, env=command_env(), timeout=120)
+    assert (result.returncode, result.stdout) == (1, b"")
+
+
+def test_a_reader_that_goes_away_with_standard_error_closed_exits_0(ckpt):
+    # `generate x 2>&- | head -c 5`: as with standard error open, the command ends quietly.
+    code = (
+        "import os, subprocess, sys; os.close(2); "
+        "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE); p.stdout.read(5); p.stdout.close(); "
+        "sys.exit(p.wait())"
+    )
+    command = [sys.executable, "-c", code, sys.executable, "-m", "generate", "x", "-c", ckpt, "-n", "120"]
+    assert subprocess.run(command, cwd=ROOT, env=command_env(), timeout=120).returncode == 0

@@ -60,13 +60,15 @@ def run_command(
             on_stop()
         return 130
     except BrokenPipeError:
-        sys.stderr.close()
+        if sys.stderr is not None:  # (quiets Python's own complaint as it flushes standard output at exit)
+            sys.stderr.close()
         return 0
     # CheckpointError is a ValueError and GenerationError a RuntimeError; naming them would import torch.
     except (ValueError, MemoryError, RuntimeError, OSError, ImportError) as e:
         if on_stop is not None:
             on_stop()
-        print(f"{prog}: error: {error_message(e, memory_advice)}", file=sys.stderr)
+        if sys.stderr is not None:  # closed (`2>&-`): print() would write the error to standard output
+            print(f"{prog}: error: {error_message(e, memory_advice)}", file=sys.stderr)
         return 1
     return 0
 
