@@ -437,3 +437,15 @@ def test_a_reader_that_goes_away_with_standard_error_closed_exits_0(ckpt):
     )
     command = [sys.executable, "-c", code, sys.executable, "-m", "generate", "x", "-c", ckpt, "-n", "120"]
     assert subprocess.run(command, cwd=ROOT, env=command_env(), timeout=120).returncode == 0
+
+
+def test_prompts_from_standard_input_are_named_so_in_errors(ckpt, capsys, monkeypatch):
+    # `--prompts-file -` reads standard input; its errors said "- line 2: ..." and "prompts file - ...".
+    set_stdin(monkeypatch, ("a\n" + "word " * 200 + "\n").encode())
+    assert main(["--prompts-file", "-", "-c", ckpt]) == 1
+    line = assert_one_error_line(capsys.readouterr().err)
+    assert line.startswith("generate: error: standard input line 2: the prompt has 201 tokens")
+    set_stdin(monkeypatch, b"\n \n")
+    assert main(["--prompts-file", "-", "-c", ckpt]) == 1
+    line = assert_one_error_line(capsys.readouterr().err)
+    assert line == "generate: error: standard input has no prompts (only blank lines)"

@@ -126,7 +126,8 @@ def _read_prompts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error("give either a prompt or --prompts-file, not both")
         prompts = _read_file(args.prompts_file)
         if not prompts:
-            raise ValueError(f"prompts file {args.prompts_file} has no prompts (only blank lines)")
+            name = "standard input" if args.prompts_file == "-" else f"prompts file {args.prompts_file}"
+            raise ValueError(f"{name} has no prompts (only blank lines)")
         return prompts
     if args.prompt != "-":
         return [(None, argument_text(args.prompt, parser))]
@@ -151,7 +152,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Ou
     gen = load_generator(args, slots=args.batch_size)
     if args.compile and len(prompts) * args.num_samples > 1:
         gen.deterministic = True  # every batch at --batch-size rows: one compiled step, even for the last
-    check_prompts(gen, prompts, args.prompts_file)
+    check_prompts(gen, prompts, "standard input" if args.prompts_file == "-" else args.prompts_file)
     run_generation(gen, [prompt for _, prompt in prompts], args, out)
 
 
