@@ -449,3 +449,17 @@ def test_prompts_from_standard_input_are_named_so_in_errors(ckpt, capsys, monkey
     assert main(["--prompts-file", "-", "-c", ckpt]) == 1
     line = assert_one_error_line(capsys.readouterr().err)
     assert line == "generate: error: standard input has no prompts (only blank lines)"
+
+
+def test_utf8_arguments_in_a_c_locale_without_utf8_mode(ckpt, gen):
+    # Python decodes the arguments with the locale's encoding, ASCII here: "Café" arrived as 'Caf\udcc3\udca9'
+    # and was refused as "not valid UTF-8" (it is). The bytes are taken as UTF-8, as a prompt file's are.
+    env = command_env({**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"})
+    expected = gen.generate("Café", max_new_tokens=12, seed=32, **CLI_DEFAULTS).text
+    stop = next(c for c in expected if not c.isascii())
+    args = ["Café", "-c", ckpt, "-n", "12", "--seed", "32", "--json", "--stop", stop]
+    result = subprocess.run([sys.executable, "-m", "generate", *args], capture_output=True, cwd=ROOT, env=env,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr.decode()
+    [record] = json_lines(result.stdout.decode("ascii"))
+    assert record["prompt"] == "Café" and record["text"] == expected[: expected.index(stop)]

@@ -31,6 +31,7 @@ from generate.tools.options import (
     add_checkpoint_option,
     add_draft_option,
     add_model_options,
+    argv_text,
     check_model_options,
     load_generator,
     unescape,
@@ -68,6 +69,7 @@ MAX_INPUT_BYTES = 64 * 2**20
 
 def argument_text(text: str, parser: argparse.ArgumentParser, what: str = "prompt") -> str:
     """A text argument, refused if the OS handed over bytes that are not UTF-8 (as lone surrogates)."""
+    text = argv_text(text)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

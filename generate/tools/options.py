@@ -7,6 +7,7 @@ imported inside :func:`load_generator`.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import TYPE_CHECKING, NoReturn
 
@@ -24,13 +25,28 @@ class CommandParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def argv_text(text: str) -> str:
+    """A command-line argument as UTF-8. Python decodes arguments with the locale's encoding: in a C locale
+    without UTF-8 mode (``PYTHONUTF8=0``) that is ASCII, so UTF-8 bytes arrive as lone surrogates; they are
+    decoded as UTF-8 here. Bytes that are not UTF-8 stay as surrogates, for the caller to refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            return os.fsencode(text).decode("utf-8")
+        except (UnicodeEncodeError, UnicodeDecodeError):
+            pass
+    return text
+
+
 def unescape(text: str) -> str:
-    r"""Turn the escapes ``\n``, ``\t``, ``\r`` and ``\\`` in ``text`` into their characters.
+    r"""Turn the escapes ``\n``, ``\t``, ``\r`` and ``\\`` in argument ``text`` (:func:`argv_text`) into their
+    characters.
 
     Any other backslash is kept as it is, so ``--stop '\n\n'`` means two newlines, as a shell cannot
     easily type them.
     """
-    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], text)
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m.group(1)], argv_text(text))
 
 
 def add_checkpoint_option(p: argparse.ArgumentParser) -> None:
