@@ -475,6 +475,7 @@ def load(
             draft = checkpoints.load(draft, device=device, dtype=dtype, group_size=group_size, plain=plain)
         except ValueError as e:  # (the options suit the target: say which model one does not fit)
             kind = checkpoints.CheckpointError if isinstance(e, checkpoints.CheckpointError) else ValueError
-            raise kind(f"the draft {os.fspath(draft)}: {e}") from None
+            name = f" {os.fspath(draft)}" if os.fspath(draft) else ""  # (an empty path: the error says so)
+            raise kind(f"the draft{name}: {e}") from None
     return Generator(model, compile=compile, slots=slots, deterministic=deterministic, progress=progress,
                      draft=draft)  # fmt: skip

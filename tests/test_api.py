@@ -562,3 +562,5 @@ def test_a_draft_the_dtype_does_not_suit_is_named_in_the_error(tmp_path):
         generate.load(tmp_path / "target", dtype="int4", draft=tmp_path / "d")
     with pytest.raises(checkpoints.CheckpointError, match=rf"^the draft {missing}: checkpoint path"):
         generate.load(tmp_path / "target", dtype="int4", draft=tmp_path / "none")
+    with pytest.raises(checkpoints.CheckpointError, match=r"^the draft: the checkpoint path is empty"):
+        generate.load(tmp_path / "target", draft="")  # (it read "the draft : the checkpoint path")

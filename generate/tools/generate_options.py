@@ -95,8 +95,8 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run the decode step compiled: half a minute or more to compile the first time for each "
-        "checkpoint, dtype and --batch-size, then kept on disk and loaded in seconds; pays off for long or "
-        "many generations",
+        "checkpoint, dtype and width (one prompt: 1 row; more: --batch-size rows), then kept on disk and "
+        "loaded in seconds; pays off for long or many generations",
     )
     p.add_argument(
         "--deterministic",
