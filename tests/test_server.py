@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import re
 import signal
 import subprocess
@@ -917,7 +918,7 @@ def test_a_speculating_server_streams_the_offline_text_and_counts_proposals(tmp_
         assert s.stop() == 0, "".join(s.lines)
 
 
-def test_echo_of_nan_logits_is_500_generation_failed_not_nan_in_the_body(tmp_path):
+def test_echo_of_nan_logits_is_500_generation_failed_not_nan_in_the_body(tmp_path, caplog):
     """In process: a checkpoint whose logits are NaN, its prompt scored for echo with no token to generate:
     500 generation_failed, as generating from it (the body held NaN, which JSON has not, or failed as an
     internal error)."""
@@ -935,13 +936,19 @@ def test_echo_of_nan_logits_is_500_generation_failed_not_nan_in_the_body(tmp_pat
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     try:
-        with TestClient(app) as http:
+        with TestClient(app) as http, caplog.at_level(logging.INFO, logger="gptgen"):
             body = {"prompt": "To be or not", "max_tokens": 0, "echo": True, "logprobs": 1}
             for stream in (False, True):
                 answer = http.post("/v1/completions", json=body | {"stream": stream})
                 assert answer.status_code == 500, answer.text
                 error = answer.json()["error"]
                 assert error["code"] == "generation_failed" and "NaN or infinite logits" in error["message"]
+            streamed = http.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "stream": True})
+            assert streamed.status_code == 200 and '"generation_failed"' in streamed.text  # (its error event)
+        # Failures are logged as warnings (--log-level warning shows them), a failed stream not as cancelled.
+        lines = [r for r in caplog.records if " /v1/completions " in r.getMessage()]
+        assert [r.levelno for r in lines] == [logging.WARNING] * 3, [r.getMessage() for r in lines]
+        assert not any("cancelled" in r.getMessage() for r in lines)
     finally:
         loop.stop(60)
         loop.close()

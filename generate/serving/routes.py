@@ -80,7 +80,9 @@ class Endpoints:
             self.state.loop.metrics.count(endpoint, status)
         client = request.client.host if request.client else "-"
         extra = " ".join(f"{k}={v}" for k, v in note.items() if k != "log")
-        log.info(
+        failed = status >= 500 or (status < 400 and "error" in note)  # (or a stream that sent its error)
+        log.log(
+            logging.WARNING if failed else logging.INFO,
             "%s %s %s %d %.0f ms %s",
             client,
             request.method,

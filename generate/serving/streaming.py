@@ -64,6 +64,7 @@ async def stream(answer: Answer, loop: EngineLoop, queue: asyncio.Queue, note: d
     finally:
         if finished < len(answer.requests):
             loop.cancel(answer.requests)
-            note["cancelled"] = "error" not in note
+            if "error" not in note:  # (not a stream that ended in its error)
+                note["cancelled"] = True
         note["completion"] = sum(len(r.token_ids) for r in answer.requests)
         note.pop("log", lambda: None)()
