@@ -24,6 +24,15 @@ def run_gptgen(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.parametrize("args", [[], ["bogus"]])
+def test_usage_errors_with_standard_error_closed_write_nothing_to_standard_output(args):
+    # `gptgen 2>&-`: the usage (or the error) has nowhere to go, and is not printed as output instead.
+    code = "import os, subprocess, sys; os.close(2); sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    command = [sys.executable, "-c", code, sys.executable, "-m", "generate.tools.gptgen", *args]
+    result = subprocess.run(command, stdout=subprocess.PIPE, cwd=ROOT, env=command_env(), timeout=120)
+    assert (result.returncode, result.stdout) == (2, b"")
+
+
 def one_line(err: str) -> str:
     lines = err.splitlines()
     assert len(lines) == 1, err

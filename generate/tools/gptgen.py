@@ -28,14 +28,16 @@ USAGE = (
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand; returns its exit status (2 for an unknown or missing command)."""
     argv = sys.argv[1:] if argv is None else argv
+    # (a stream closed, 2>&-, is None, and print() would write to standard output instead)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE, end="", file=sys.stdout if argv else sys.stderr)
+        if (out := sys.stdout if argv else sys.stderr) is not None:
+            print(USAGE, end="", file=out)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(
-            f"gptgen: error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr
-        )
+        message = f"gptgen: error: unknown command {name!r}; choose one of {', '.join(COMMANDS)}"
+        if sys.stderr is not None:
+            print(message, file=sys.stderr)
         return 2
     import importlib
 
