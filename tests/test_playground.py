@@ -357,6 +357,34 @@ def test_a_stream_the_network_breaks_says_so_plainly(page):
     assert page.get_by_test_id("generate").is_enabled() and page.get_by_test_id("stop").is_disabled()
 
 
+def test_text_held_back_when_the_stream_fails_is_said_to_be_so_not_a_stop_strings(page):
+    # The server's events, faked: the echo, a token whose text is held back (a stop string's start, say),
+    # then the stream's error. Its tip called the token "part of a stop string, which is not returned".
+    page.evaluate(
+        """() => {
+        const echo = { tokens: ["Hi"], token_logprobs: [null], text_offset: [0], top_logprobs: [null] };
+        const held = { tokens: [" sid"], token_logprobs: [-1.5], text_offset: [2],
+                       top_logprobs: [{ " sid": -1.5 }] };
+        const events = [
+            { choices: [{ index: 0, text: "Hi", logprobs: echo, prompt_token_ids: [17250], token_ids: [] }] },
+            { choices: [{ index: 0, text: "", logprobs: held, token_ids: [9785] }] },
+            { error: { message: "the model produced NaN or infinite logits", type: "server_error",
+                       param: null, code: "generation_failed" } },
+        ];
+        const body = events.map((e) => `data: ${JSON.stringify(e)}\n\n`).join("");
+        const real = window.fetch;
+        window.fetch = async (path, init) => path !== "/v1/completions" ? real(path, init)
+            : new Response(body, { status: 200, headers: { "Content-Type": "text/event-stream" } });
+    }"""
+    )
+    run(page, "Hi", temperature="0", max_tokens="4")
+    assert "NaN or infinite logits" in page.get_by_test_id("error").text_content()
+    (held,) = [t for t in tokens(page) if t["kind"] == "generated"]
+    page.locator(f"[data-testid=token][data-index='{held['index']}']").hover()
+    tip = page.locator("#tip").text_content()
+    assert "Not in the text: the stream ended in an error while it was held back" in tip, tip
+
+
 def test_a_seed_past_2_to_the_53_is_sent_as_typed(page, offline):
     seed = 2**53 + 1  # (a JavaScript number is 2**53: another seed, another text)
     run(page, "To be", temperature="1", seed=str(seed), max_tokens="12")

@@ -102,7 +102,7 @@ async function generate() {
     status(`Done: ${n} tokens in ${seconds.toFixed(1)} s, ended by ${why[transcript.finishReason] ||
       transcript.finishReason}. Select a token to see its attention.`);
   } catch (e) {
-    transcript.finish(e.name === "AbortError");
+    transcript.finish(e.name === "AbortError" ? "stopped" : "failed");
     if (e.name === "AbortError") status(`Stopped after ${transcript.generated.length} tokens.`);
     else {
       status("");

@@ -94,7 +94,7 @@ export class Transcript {
     this.settled = { prompt: 0, generated: 0 }; // tokens of each part whose text is final
     this.base = null; // the first generated token's text_offset: where the generated text starts
     this.finishReason = null;
-    this.stopped = false;
+    this.ending = "done"; // how the stream ended: "done", "stopped" (the Stop button) or "failed" (an error)
     this.selected = null;
     this.promptEl.replaceChildren();
     this.outputEl.replaceChildren();
@@ -151,9 +151,9 @@ export class Transcript {
     }
   }
 
-  /** The end (`stopped`: by the Stop button): tokens past the text show their text struck out. */
-  finish(stopped = false) {
-    this.stopped = stopped;
+  /** The end (`ending`: see reset): tokens past the text show their text struck out. */
+  finish(ending = "done") {
+    this.ending = ending;
     this.render("generated");
     this.markCut("generated");
   }
@@ -179,7 +179,9 @@ export class Transcript {
     const lines = [h("div", { class: "tip-token" }, visible(t.piece)),
       h("div", { class: "muted" }, `token ${t.index} · ${t.kind}`)];
     const why = t.kind === "prompt" ? "an empty prompt starts from the end-of-text token"
-      : this.stopped ? "Stop came while it was held back (a stop string's start, or part of a character)"
+      : this.ending === "stopped" ? "Stop came while it was held back (a stop string's start, or part of a character)"
+        : this.ending === "failed" ? "the stream ended in an error while it was held back (a stop string's start, or "
+          + "part of a character)"
         : t.piece === EOT ? "the end-of-text token ended the text" : "part of a stop string, which is not returned";
     if (t.el.dataset.rest !== undefined) lines.push(h("div", { class: "muted" }, `Not in the text: ${why}.`));
     if (t.logprob === null || t.logprob === undefined) {
