@@ -3,7 +3,10 @@ and saved here, never downloaded)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -143,6 +146,31 @@ def tiny_checkpoint(directory: Path) -> tuple[Path, GPT]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, n_positions=8, n_embd=32, n_layer=1, n_head=2)).eval()
     return checkpoints.save(model, directory), model
+
+
+@contextlib.contextmanager
+def served_in_process(model: GPT, directory: Path) -> Iterator[object]:
+    """A ``TestClient`` of the server's app over ``model`` (saved to ``directory``, one slot), its engine's
+    thread running; the engine is stopped and its thread joined after."""
+    from starlette.testclient import TestClient
+
+    import generate
+    from generate.serving.server import Settings, build_app
+
+    checkpoints.save(model, directory)
+    gen = generate.load(directory, slots=1)
+    app = build_app(Settings(str(directory)))
+    loop = app.state.gptgen.attach(gen, gen.engine(1, model.config.n_positions))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        with TestClient(app) as http:
+            yield http
+    finally:
+        loop.stop(60)
+        loop.close()
+        thread.join(30)
+    assert not thread.is_alive()
 
 
 class NoProposals:

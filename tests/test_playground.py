@@ -507,34 +507,18 @@ def test_attention_is_refused_with_503_at_shutdown(offline):
 def test_nan_attention_weights_are_a_500_not_invalid_json(tmp_path):
     """In process: a checkpoint whose attention is NaN gets 500 attention_failed (its weights would be a
     200 holding NaN, which JSON has not)."""
-    from starlette.testclient import TestClient
-
-    import checkpoints
-    from generate.serving.server import Settings, build_app
-    from helpers import make_model
+    from helpers import make_model, served_in_process
 
     model = make_model(GPTConfig(n_layer=2, n_head=2, n_embd=16, n_positions=32), std=0.3)
     with torch.no_grad():
         model.h[1].attn.c_attn.weight[0, 0] = float("nan")
-    checkpoints.save(model, tmp_path)
-    gen = generate.load(tmp_path, slots=1)
-    app = build_app(Settings(str(tmp_path)))
-    loop = app.state.gptgen.attach(gen, gen.engine(1, 32))
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    try:
-        with TestClient(app) as http:
-            assert http.post("/v1/attention", json={"prompt": "To be", "layer": 0}).status_code == 200
-            answer = http.post("/v1/attention", json={"prompt": "To be", "layer": 1, "head": 0})
-            assert answer.status_code == 500
-            error = answer.json()["error"]
-            assert error["code"] == "attention_failed"
-            assert "NaN or infinite attention weights in layer 1" in error["message"]
-    finally:
-        loop.stop(60)
-        loop.close()
-        thread.join(30)
-    assert not thread.is_alive()
+    with served_in_process(model, tmp_path) as http:
+        assert http.post("/v1/attention", json={"prompt": "To be", "layer": 0}).status_code == 200
+        answer = http.post("/v1/attention", json={"prompt": "To be", "layer": 1, "head": 0})
+        assert answer.status_code == 500
+        error = answer.json()["error"]
+        assert error["code"] == "attention_failed"
+        assert "NaN or infinite attention weights in layer 1" in error["message"]
 
 
 def test_the_page_and_its_files_are_served_with_their_types(server):

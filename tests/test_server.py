@@ -26,7 +26,7 @@ import torch
 import checkpoints
 import generate
 from generate.serving.openai_api import render_chat
-from helpers import make_model
+from helpers import make_model, served_in_process
 from model import GPTConfig
 
 SLOTS = 4
@@ -922,35 +922,19 @@ def test_echo_of_nan_logits_is_500_generation_failed_not_nan_in_the_body(tmp_pat
     """In process: a checkpoint whose logits are NaN, its prompt scored for echo with no token to generate:
     500 generation_failed, as generating from it (the body held NaN, which JSON has not, or failed as an
     internal error)."""
-    from starlette.testclient import TestClient
-
-    from generate.serving.server import Settings, build_app
-
     model = make_model(GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=32), std=0.3)
     with torch.no_grad():
         model.h[0].attn.c_attn.weight[0, 0] = float("nan")
-    checkpoints.save(model, tmp_path)
-    gen = generate.load(tmp_path, slots=1)
-    app = build_app(Settings(str(tmp_path)))
-    loop = app.state.gptgen.attach(gen, gen.engine(1, 32))
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    try:
-        with TestClient(app) as http, caplog.at_level(logging.INFO, logger="gptgen"):
-            body = {"prompt": "To be or not", "max_tokens": 0, "echo": True, "logprobs": 1}
-            for stream in (False, True):
-                answer = http.post("/v1/completions", json=body | {"stream": stream})
-                assert answer.status_code == 500, answer.text
-                error = answer.json()["error"]
-                assert error["code"] == "generation_failed" and "NaN or infinite logits" in error["message"]
-            streamed = http.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "stream": True})
-            assert streamed.status_code == 200 and '"generation_failed"' in streamed.text  # (its error event)
-        # Failures are logged as warnings (--log-level warning shows them), a failed stream not as cancelled.
-        lines = [r for r in caplog.records if " /v1/completions " in r.getMessage()]
-        assert [r.levelno for r in lines] == [logging.WARNING] * 3, [r.getMessage() for r in lines]
-        assert not any("cancelled" in r.getMessage() for r in lines)
-    finally:
-        loop.stop(60)
-        loop.close()
-        thread.join(30)
-    assert not thread.is_alive()
+    with served_in_process(model, tmp_path) as http, caplog.at_level(logging.INFO, logger="gptgen"):
+        body = {"prompt": "To be or not", "max_tokens": 0, "echo": True, "logprobs": 1}
+        for stream in (False, True):
+            answer = http.post("/v1/completions", json=body | {"stream": stream})
+            assert answer.status_code == 500, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "generation_failed" and "NaN or infinite logits" in error["message"]
+        streamed = http.post("/v1/completions", json={"prompt": "To be", "max_tokens": 3, "stream": True})
+        assert streamed.status_code == 200 and '"generation_failed"' in streamed.text  # (its error event)
+    # Failures are logged as warnings (--log-level warning shows them), a failed stream not as cancelled.
+    lines = [r for r in caplog.records if " /v1/completions " in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.WARNING] * 3, [r.getMessage() for r in lines]
+    assert not any("cancelled" in r.getMessage() for r in lines)
